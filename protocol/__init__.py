@@ -1,0 +1,86 @@
+"""Conveyor's wire protocol (PROTOCOL.md) and its asyncio Python client.
+
+Pure: nothing here imports the server (`service/`) or the kernels.
+"""
+
+from __future__ import annotations
+
+from protocol.client import Client, Stream, connect
+from protocol.codec import decode_client_frame, decode_server_frame, encode
+from protocol.errors import (
+    ClientConnectionClosed,
+    ContextLengthExceeded,
+    DuplicateId,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    ProtocolError,
+    ShuttingDown,
+    TooManyRequests,
+    Unauthorized,
+    error_from_frame,
+)
+from protocol.messages import (
+    MAX_ID_LENGTH,
+    MAX_STOP_STRINGS,
+    PROTOCOL_VERSION,
+    Accepted,
+    Cancel,
+    ChatMessage,
+    ClientMessage,
+    Delta,
+    Done,
+    Error,
+    ErrorCode,
+    FinishReason,
+    Generate,
+    Hello,
+    Ping,
+    Pong,
+    RequestId,
+    SamplingParams,
+    ServerMessage,
+    Timings,
+    Usage,
+)
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "MAX_STOP_STRINGS",
+    "PROTOCOL_VERSION",
+    "Accepted",
+    "Cancel",
+    "ChatMessage",
+    "Client",
+    "ClientConnectionClosed",
+    "ClientMessage",
+    "ContextLengthExceeded",
+    "Delta",
+    "Done",
+    "DuplicateId",
+    "Error",
+    "ErrorCode",
+    "FinishReason",
+    "Generate",
+    "Hello",
+    "InternalError",
+    "InvalidRequest",
+    "Overloaded",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "RequestId",
+    "SamplingParams",
+    "ServerMessage",
+    "ShuttingDown",
+    "Stream",
+    "Timings",
+    "TooManyRequests",
+    "Unauthorized",
+    "Usage",
+    "connect",
+    "decode_client_frame",
+    "decode_server_frame",
+    "encode",
+    "error_from_frame",
+]

@@ -1,0 +1,252 @@
+"""Every frame of the Conveyor wire protocol, version 1, as msgspec Structs.
+
+The protocol is specified in PROTOCOL.md. Each frame is one JSON object whose
+`type` field selects the Struct (a msgspec tagged union, `tag_field="type"`).
+Value ranges are declared with `msgspec.Meta`, so decoding a frame validates
+it and names the offending field by its JSON path (e.g. `$.params.top_p`).
+Constructing a Struct directly in Python does not check those ranges; check
+values from outside by decoding (`protocol.codec.decode_client_frame`) or
+with `msgspec.convert(values, SamplingParams)`.
+
+Unknown fields are ignored on decode (the usual JSON API convention), so a
+newer peer may add fields without breaking an older one.
+
+`Generate`, `Ping`, `Pong` and `Error` use `omit_defaults` (absent prompt
+forms, default params, a missing `t`, `retry_after_ms` outside `overloaded`).
+Every field PROTOCOL.md's examples show is always encoded: those fields have
+no default (`Error.id`, `Error.param`, `Error.retryable`) or live in Structs
+without `omit_defaults` (`SamplingParams`, `Usage.cached_tokens`, `Timings`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+"""The `protocol` number this package speaks (sent in `hello`)."""
+
+MAX_ID_LENGTH = 128
+MAX_STOP_STRINGS = 8
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+"""A client-chosen request id: 1 to 128 characters (code points)."""
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+ErrorCode = Literal[
+    "invalid_request",
+    "duplicate_id",
+    "context_length_exceeded",
+    "overloaded",
+    "too_many_requests",
+    "shutting_down",
+    "unauthorized",
+    "internal_error",
+]
+
+
+class SamplingParams(Struct, frozen=True, kw_only=True):
+    """How to sample one request's completion (the `params` object of `generate`).
+
+    The same frozen value travels from the wire into the engine. Defaults and
+    ranges are those of PROTOCOL.md's params table; a JSON decode enforces the
+    ranges (`Meta`), direct construction does not.
+
+    Fields:
+        max_tokens: int >= 1, most tokens to generate (default 256).
+        temperature: float >= 0, 0 means greedy (default 1.0).
+        top_p: float in (0, 1], nucleus sampling (default 1.0 = off).
+        top_k: int >= 0, 0 means off.
+        min_p: float in [0, 1], 0 means off.
+        seed: int or None; the same seed, prompt and params give the same output.
+        stop: at most 8 non-empty strings; generation ends before the first one.
+        stop_token_ids: token ids (>= 0) that end generation besides EOS.
+        ignore_eos: keep generating past EOS until `max_tokens`.
+        priority: lower is served first (the vLLM convention).
+        ttft_slo_ms: float > 0 or None, target time to first token in ms.
+    """
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+    stop: Annotated[
+        tuple[Annotated[str, Meta(min_length=1)], ...], Meta(max_length=MAX_STOP_STRINGS)
+    ] = ()
+    stop_token_ids: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    ttft_slo_ms: Annotated[float, Meta(gt=0.0)] | None = None
+
+
+class ChatMessage(Struct, frozen=True):
+    """One chat turn: `role` ("system", "user", "assistant", ...) and its `content`."""
+
+    role: str
+    content: str
+
+
+class _Frame(Struct, tag_field="type", kw_only=True):
+    """Base of every frame: the Struct's `tag` is its `type` on the wire."""
+
+
+# --- client to server -------------------------------------------------------
+
+
+class Generate(_Frame, tag="generate", omit_defaults=True):
+    """Start a request. Exactly one of `messages`, `prompt`, `prompt_token_ids`.
+
+    `messages` has at least one turn; `prompt_token_ids` are ids >= 0 (the
+    server checks them against the vocabulary and rejects an empty prompt).
+    Raises ValueError (msgspec.ValidationError when decoding) unless exactly
+    one prompt form is given.
+    """
+
+    id: RequestId
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    params: SamplingParams = SamplingParams()
+
+    def __post_init__(self) -> None:
+        given = (self.messages is not None) + (self.prompt is not None) + (
+            self.prompt_token_ids is not None
+        )
+        if given != 1:
+            raise ValueError(
+                f"exactly one of `messages`, `prompt`, `prompt_token_ids` must be given, got {given}"
+            )
+
+
+class Cancel(_Frame, tag="cancel"):
+    """End request `id` at the next step; unknown or finished ids are ignored."""
+
+    id: RequestId
+
+
+class Ping(_Frame, tag="ping", omit_defaults=True):
+    """Application-level ping (browsers cannot send WebSocket pings); `t` is echoed."""
+
+    t: float | None = None
+
+
+ClientMessage = Union[Generate, Cancel, Ping]
+
+
+# --- server to client -------------------------------------------------------
+
+
+class Hello(_Frame, tag="hello"):
+    """First frame on every connection."""
+
+    protocol: int
+    model: str
+    max_model_len: int
+
+
+class Pong(_Frame, tag="pong", omit_defaults=True):
+    """Answer to `ping`, with its `t`."""
+
+    t: float | None = None
+
+
+class Accepted(_Frame, tag="accepted"):
+    """Request `id` passed validation and was queued; its prompt is `prompt_tokens` long."""
+
+    id: str
+    prompt_tokens: int
+
+
+class Delta(_Frame, tag="delta", gc=False):
+    """New completion text of request `id`.
+
+    `index` is the completion position of `token_ids[0]`; `text` is whole
+    UTF-8 characters. Consecutive deltas may arrive merged into one.
+    """
+
+    id: str
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+class Usage(Struct, kw_only=True, gc=False):
+    """Token counts of a finished request; `cached_tokens` came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(Struct, kw_only=True, gc=False):
+    """Server-side timings of a finished request, in milliseconds.
+
+    `queue_ms`: receipt to first scheduled step; `ttft_ms`: receipt to first
+    token; `tpot_ms`: mean time per output token after the first; `e2e_ms`:
+    receipt to end. A timing that never happened (e.g. no token before a
+    cancel) is None, sent as null. `preemptions` counts swaps and recomputes.
+    """
+
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    preemptions: int = 0
+
+
+class Done(_Frame, tag="done"):
+    """The one last frame of every accepted request."""
+
+    id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+
+
+class Error(_Frame, tag="error", omit_defaults=True):
+    """A failed request (or a frame that could not be tied to one: `id` None).
+
+    `param` is the JSON path of the offending field, or None. `retry_after_ms`
+    comes with `overloaded`. After `accepted`, an error is followed by a
+    `done` with finish_reason "error"; before it, the error is the only answer.
+    """
+
+    id: str | None
+    code: ErrorCode
+    param: str | None
+    message: str
+    retryable: bool
+    retry_after_ms: Annotated[int, Meta(ge=0)] | None = None
+
+
+ServerMessage = Union[Hello, Pong, Accepted, Delta, Done, Error]
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "MAX_STOP_STRINGS",
+    "PROTOCOL_VERSION",
+    "Accepted",
+    "Cancel",
+    "ChatMessage",
+    "ClientMessage",
+    "Delta",
+    "Done",
+    "Error",
+    "ErrorCode",
+    "FinishReason",
+    "Generate",
+    "Hello",
+    "Ping",
+    "Pong",
+    "RequestId",
+    "SamplingParams",
+    "ServerMessage",
+    "Timings",
+    "Usage",
+]
+
