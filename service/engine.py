@@ -1,0 +1,320 @@
+"""The in-process engine: admission, the scheduler/step loop, and per-request streams.
+
+    async with Engine(EngineConfig()) as engine:
+        async for event in engine.generate(prompt="Hello", params=SamplingParams(max_tokens=8)):
+            ...  # Delta events, then one Done
+
+Actors (DESIGN.md): `add_request` is Admission (tokenize, validate, bounded queue);
+`_step_loop` is the Scheduler + StepLoop actor: before every step it admits new
+requests, applies cancels, asks the scheduler for a batch, runs the forward in a
+dedicated worker thread (so the event loop keeps streaming meanwhile), and turns
+the sampled tokens into events for each request's sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from protocol import (ChatMessage, ContextLengthExceeded, Delta, Done, DuplicateId, Error,
+                      InternalError, InvalidRequest, Overloaded, SamplingParams, ShuttingDown,
+                      Timings, Usage)
+from service.block_pool import KVBlockPool
+from service.config import EngineConfig
+from service.detokenizer import IncrementalDetokenizer
+from service.loader import LoadedModel
+from service.model_runner import ModelRunner
+from service.request import Request
+from service.request_stream import Event, RequestStream, Sink
+from service.scheduler import Scheduler
+from service.scheduler_output import SchedulerOutput
+from service.tokenize_prompt import tokenize_prompt
+
+log = logging.getLogger(__name__)
+
+
+class _Live:
+    """Engine-side bookkeeping of one request between admission and its Done."""
+
+    __slots__ = ("req", "client_id", "sink", "detok")
+
+    def __init__(self, req: Request, client_id: str, sink: Sink,
+                 detok: IncrementalDetokenizer) -> None:
+        self.req = req
+        self.client_id = client_id
+        self.sink = sink
+        self.detok = detok
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round((b - a) * 1000.0, 3)
+
+
+class Engine:
+    """Continuous-batching engine usable from any asyncio application.
+
+    Args:
+        config: engine settings (the same ones `conveyor serve` takes).
+        loaded: an already loaded checkpoint to share (tests); None loads config.model.model.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *,
+                 loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        self._loaded = loaded
+        self._runner: ModelRunner | None = None
+        self._scheduler: Scheduler | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._inbox: asyncio.Queue[_Live] = asyncio.Queue(self.config.scheduler.max_waiting_requests)
+        self._aborts: set[str] = set()
+        self._live: dict[str, _Live] = {}
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self.ready = False
+        self.num_steps = 0
+
+    # ---- life cycle --------------------------------------------------------------
+    async def start(self) -> Engine:
+        """Load the model (in the worker thread) and start the step loop."""
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-step")
+        loop = asyncio.get_running_loop()
+        self._runner = await loop.run_in_executor(
+            self._executor, lambda: ModelRunner(self.config, self._loaded))
+        pool = KVBlockPool(self._runner.num_blocks, self.config.cache.block_size,
+                           self.config.cache.enable_prefix_caching)
+        self._scheduler = Scheduler(self.config.scheduler, pool, self._runner.max_model_len)
+        self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
+        self.ready = True
+        return self
+
+    async def close(self) -> None:
+        """Cancel every request (each gets its Done), stop the loop, free the worker. Idempotent."""
+        if self._closing:
+            if self._task is not None:
+                await asyncio.gather(self._task, return_exceptions=True)
+            return
+        self._closing = True
+        self.ready = False
+        self._aborts.update(self._live)
+        self._wakeup.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> Engine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- facts -------------------------------------------------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        assert self._runner is not None, "Engine.start() has not run"
+        return self._runner
+
+    @property
+    def scheduler(self) -> Scheduler:
+        assert self._scheduler is not None, "Engine.start() has not run"
+        return self._scheduler
+
+    @property
+    def model_name(self) -> str:
+        return self.runner.loaded.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.runner.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    # ---- admission ---------------------------------------------------------------
+    def add_request(self, *, messages: Sequence[ChatMessage] | None = None,
+                    prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                    params: SamplingParams | None = None, request_id: str | None = None,
+                    client_id: str | None = None, sink: Sink | None = None,
+                    arrival_time: float | None = None) -> RequestStream | int:
+        """Validate, tokenize and queue one request.
+
+        request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
+        written into its events (default: request_id). With `sink`, events are passed to
+        it (never awaited) and the prompt length in tokens is returned; without, a
+        RequestStream to iterate is returned. arrival_time: `time.monotonic()` of receipt.
+
+        Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue full),
+        ShuttingDown.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        client_id = client_id or request_id
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if self._closing or not self.ready:
+            raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
+        if request_id in self._live:
+            raise DuplicateId(f"request id {client_id!r} is already in flight",
+                              param="$.id", request_id=client_id)
+        params = params or SamplingParams()
+        runner = self.runner
+        ids = tokenize_prompt(runner.tokenizer, runner.model.vocab_size, messages=messages,
+                              prompt=prompt, token_ids=prompt_token_ids, request_id=client_id)
+        self._check_fits(len(ids), params, client_id)
+        req = Request(request_id, ids, params, runner.loaded.eos_token_ids, arrival_time=arrival)
+        stream = None
+        if sink is None:
+            stream = RequestStream(client_id, len(ids))
+            sink = stream.put
+        detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
+        live = _Live(req, client_id, sink, detok)
+        try:
+            self._inbox.put_nowait(live)
+        except asyncio.QueueFull:
+            raise Overloaded(f"the admission queue is full ({self._inbox.maxsize} requests)",
+                             retry_after_ms=1000, request_id=client_id) from None
+        self._live[request_id] = live
+        self._wakeup.set()
+        return stream if stream is not None else len(ids)
+
+    def _check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
+        limit = self.max_model_len
+        if n + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"({limit})", param="$.params.max_tokens", request_id=client_id)
+        pool = self.scheduler.pool
+        need = pool.blocks_needed(n + params.max_tokens)
+        if need > pool.num_blocks:
+            raise ContextLengthExceeded(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                f"but the whole cache has {pool.num_blocks}", param="$.params.max_tokens",
+                request_id=client_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request at the next step (its Done says "cancelled"); unknown ids are ignored."""
+        if request_id in self._live:
+            self._aborts.add(request_id)
+            self._wakeup.set()
+
+    async def generate(self, *, messages: Sequence[ChatMessage] | None = None,
+                       prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                       params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[Event]:
+        """Deltas of one request, then its Done (usage and timings).
+
+        Breaking out of the iteration aborts the request. Raises what add_request raises.
+        """
+        stream = self.add_request(messages=messages, prompt=prompt,
+                                  prompt_token_ids=prompt_token_ids, params=params,
+                                  request_id=request_id)
+        assert isinstance(stream, RequestStream)
+        key = request_id or stream.request_id
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            if not stream.finished:
+                self.abort(key)
+
+    # ---- the step loop --------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        while True:
+            self._admit()
+            self._apply_aborts()
+            if not sched.has_unfinished():
+                if self._closing:
+                    return
+                sched.check_integrity()
+                self._wakeup.clear()
+                if self._inbox.empty() and not self._aborts:
+                    await self._wakeup.wait()
+                continue
+            out = sched.schedule()
+            if out.is_empty:
+                log.warning("scheduler produced an empty step with %d waiting", len(sched.waiting))
+                await asyncio.sleep(0.005)
+                continue
+            try:
+                sampled = await loop.run_in_executor(self._executor, self.runner.execute, out)
+            except Exception:
+                log.exception("step failed; failing its %d requests", len(out.sequences))
+                self._fail_step(out)
+                continue
+            self.num_steps += 1
+            for req in sched.update_from_output(out, sampled):
+                self._emit_token(req)
+
+    def _admit(self) -> None:
+        while not self._inbox.empty():
+            live = self._inbox.get_nowait()
+            self.scheduler.add_request(live.req)
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        for rid in list(self._aborts):
+            self._finish(rid, "cancelled")
+        self._aborts.clear()
+
+    def _emit_token(self, req: Request) -> None:
+        live = self._live[req.request_id]
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        token = req.output_token_ids[-1]
+        reason = req.check_stop(self.max_model_len)
+        text, stop_hit = live.detok.step([token])
+        if stop_hit is not None:
+            reason = "stop"
+        elif reason is not None:
+            text += live.detok.flush()
+        live.sink(Delta(id=live.client_id, index=len(req.output_token_ids) - 1, text=text,
+                        token_ids=[token]))
+        if reason is not None:
+            self._finish(req.request_id, reason)
+
+    def _fail_step(self, out: SchedulerOutput) -> None:
+        for seq in out.sequences:
+            live = self._live.get(seq.request_id)
+            if live is None:
+                continue
+            live.sink(InternalError("the engine failed while running this request's step",
+                                    request_id=live.client_id).to_frame())
+            self._finish(seq.request_id, "error")
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        """Remove the request everywhere and send its one Done."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.scheduler.finish_request(request_id, reason)
+        req = live.req
+        req.finish_reason = reason
+        n_out = len(req.output_token_ids)
+        end = time.monotonic()
+        tpot = None
+        if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
+            tpot = round((req.last_token_time - req.first_token_time) * 1000.0 / (n_out - 1), 3)
+        live.sink(Done(
+            id=live.client_id,
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
+                        total_tokens=req.num_prompt_tokens + n_out,
+                        cached_tokens=max(0, req.num_cached_tokens)),
+            timings=Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
+                            ttft_ms=_ms(req.arrival_time, req.first_token_time),
+                            tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),
+                            preemptions=req.num_preemptions),
+        ))

@@ -1,0 +1,119 @@
+"""Model runner: turns a SchedulerOutput into one forward and one batched sample.
+
+Owns the model weights and the paged KV cache (one tensor per layer,
+`[2, num_blocks, block_size, Hkv, D]`, sized at start-up). Runs in the step
+loop's worker thread; nothing here touches asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels import plan_attention_work, select_ops
+from service.config import EngineConfig
+from service.loader import LoadedModel, load_model
+from service.model import AttentionMetadata, LlamaModel
+from service.sampler import build_sampling_tensors, sample
+from service.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV cache and executes steps.
+
+    Args:
+        config: engine settings (model, dtype, device, block size, KV cache size).
+        loaded: an already loaded checkpoint (tests share one); None loads config.model.model.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        mc, cc = config.model, config.cache
+        self.device = resolve_device(mc.device)
+        self.dtype = DTYPES[mc.dtype]
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        self.loaded = loaded or load_model(mc.model, self.dtype)
+        self.ops = select_ops(mc.attention_backend, self.device)
+        self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.block_size = cc.block_size
+        model_len = self.model.max_position
+        self.max_model_len = min(mc.max_model_len or model_len, model_len)
+        per_block = self.model.kv_bytes_per_token(self.dtype) * cc.block_size
+        self.num_blocks = cc.num_kv_blocks or max(2, cc.kv_cache_memory // per_block)
+        shape = (2, self.num_blocks, cc.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.model.num_layers)]
+        self.kv_cache_bytes = per_block * self.num_blocks
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_blocks, cc.block_size,
+                 self.kv_cache_bytes / 2**20)
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                            AttentionMetadata, torch.Tensor]:
+        """(input_ids [T], positions [T], metadata, logits_indices [S]) for one step."""
+        seqs = out.sequences
+        B = len(seqs)
+        bs = self.block_size
+        ids: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+        n = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
+        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64)
+        # E.g. n = [3, 1], computed = [0, 7] -> cu_q = [0, 3, 4], seq_lens = [3, 8]
+        cu_q = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(n, 0, out=cu_q[1:])
+        seq_lens = computed + n
+        T = int(cu_q[-1])
+        # E.g. seq_idx = [0, 0, 0, 1]; positions = [0, 1, 2, 7]
+        seq_idx = torch.repeat_interleave(torch.arange(B), n)
+        positions = computed[seq_idx] + torch.arange(T) - cu_q[:-1][seq_idx]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        table = torch.zeros(B, max_blocks, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        # E.g. block_size 4, position 7 of a sequence with blocks [5, 2] -> slot 2 * 4 + 3 = 11
+        slots = table[seq_idx, positions // bs] * bs + positions % bs
+        # E.g. sample = [True, True] -> logits rows [2, 3] (each sampling sequence's last token)
+        sample_mask = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
+        logits_indices = cu_q[1:][sample_mask] - 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            block_tables=table.to(dev, torch.int32),
+            seq_lens=seq_lens.to(dev, torch.int32),
+            cu_seqlens_q=cu_q.to(dev, torch.int32),
+            work=(plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)
+                  if self.ops.name == "triton" else None),
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta,
+                logits_indices.to(dev))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns {request_id: sampled token} for sequences that sample."""
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
+        sampling = [s for s in out.sequences if s.sample]
+        if not sampling:
+            return {}
+        tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
+        tokens = sample(logits, *tensors, [s.generator for s in sampling]).tolist()
+        return {s.request_id: t for s, t in zip(sampling, tokens)}

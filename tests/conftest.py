@@ -1,0 +1,39 @@
+"""Shared fixtures: the real model is loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run in its interpreter on a machine without a GPU. The variable must
+# be set before anything imports triton (transformers may), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    """SmolLM2-135M-Instruct (fp32, CPU) through our loader: config, tokenizer, weights."""
+    from service.loader import load_model
+
+    return load_model(None, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The transformers implementation of the same checkpoint: the test oracle."""
+    from transformers import AutoModelForCausalLM
+
+    from service.loader import _source, default_model_path
+
+    folder, kw = _source(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_model):
+    return loaded_model.tokenizer

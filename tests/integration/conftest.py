@@ -1,0 +1,67 @@
+"""Fixtures for tests that run the real model: small engines sharing one loaded checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import CacheConfig, EngineConfig, SchedulerConfig
+from service.engine import Engine
+
+
+
+def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
+                  num_kv_blocks: int | None = 512, block_size: int = 16,
+                  enable_prefix_caching: bool = True, attention_backend: str = "auto",
+                  max_waiting_requests: int = 1024) -> EngineConfig:
+    from service.config import ModelConfig
+
+    return EngineConfig(
+        model=ModelConfig(attention_backend=attention_backend),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  max_waiting_requests=max_waiting_requests),
+    )
+
+
+@pytest.fixture
+async def make_engine(loaded_model):
+    """Factory: `await make_engine(**engine_config kwargs)` -> a started Engine, closed after the
+    test; its block pool must pass check_integrity() with no block held at the end."""
+    engines: list[Engine] = []
+
+    async def make(**kw) -> Engine:
+        engine = await Engine(engine_config(**kw), loaded=loaded_model).start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.close()
+        engine.scheduler.check_integrity()
+        assert engine.scheduler.pool.usage == 0.0, "KV blocks leaked"
+
+
+@pytest.fixture
+def small_config():
+    return engine_config
+
+
+@pytest.fixture
+async def make_server(make_engine):
+    """Factory: `await make_server(**engine kwargs)` -> (engine, server) on 127.0.0.1, port 0."""
+    from service.config import ServerConfig
+    from service.server import ConveyorServer
+
+    servers: list[ConveyorServer] = []
+
+    async def make(server_config: ServerConfig | None = None, **kw):
+        engine = await make_engine(**kw)
+        server = await ConveyorServer(engine, server_config or ServerConfig(port=0)).start()
+        servers.append(server)
+        return engine, server
+
+    yield make
+    for server in servers:
+        await server.close()
