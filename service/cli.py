@@ -46,6 +46,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="number of KV blocks; overrides the size computed from --kv-cache-memory")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of identical prompt prefixes (default on)")
+    c.add_argument("--swap-space", type=float, default=1.0, metavar="GiB",
+                   help="CPU memory for swapped-out KV blocks, GiB (0 disables swap; default 1)")
+    c.add_argument("--kv-watermark-high", type=float, default=0.90, metavar="FRACTION",
+                   help="KV usage above which no new request starts (default 0.90)")
+    c.add_argument("--kv-watermark-low", type=float, default=0.70, metavar="FRACTION",
+                   help="KV usage below which admission resumes (default 0.70)")
+    c.add_argument("--kv-watermark-critical", type=float, default=0.95, metavar="FRACTION",
+                   help="KV usage above which running requests are preempted (default 0.95)")
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
                    help="most sequences in one step (default 32)")
@@ -53,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step: decodes plus prefill chunks (default 512)")
     s.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                    help="admission queue bound; beyond it requests get `overloaded` (default 1024)")
+    s.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
+                   help="how a preempted request gives its KV blocks back: swap to CPU, drop and "
+                        "recompute, or auto (the cost model with rates measured at start-up)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs"],
+                   help="order of admission and choice of preemption victim (default fcfs)")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -61,10 +74,15 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,
-                          enable_prefix_caching=a.enable_prefix_caching),
+                          enable_prefix_caching=a.enable_prefix_caching,
+                          swap_space=a.swap_space, kv_watermark_high=a.kv_watermark_high,
+                          kv_watermark_low=a.kv_watermark_low,
+                          kv_watermark_critical=a.kv_watermark_critical),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
                                   max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_waiting_requests=a.max_waiting_requests),
+                                  max_waiting_requests=a.max_waiting_requests,
+                                  preemption_mode=a.preemption_mode,
+                                  scheduling_policy=a.scheduling_policy),
     )
 
 

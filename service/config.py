@@ -55,12 +55,20 @@ class CacheConfig:
     num_kv_blocks: number of blocks; None = sized from kv_cache_memory.
     kv_cache_memory: bytes for K and V of all layers (default 2 GiB).
     enable_prefix_caching: reuse full blocks of identical prompt prefixes.
+    swap_space: CPU memory for swapped-out KV blocks, GiB (0 disables swapping).
+    kv_watermark_high: KV usage (0..1) above which no new request starts its prefill...
+    kv_watermark_low: ...until usage falls below this one.
+    kv_watermark_critical: usage above which running requests are preempted to get back under.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 2 * GiB
     enable_prefix_caching: bool = True
+    swap_space: float = 1.0
+    kv_watermark_high: float = 0.90
+    kv_watermark_low: float = 0.70
+    kv_watermark_critical: float = 0.95
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
@@ -68,6 +76,10 @@ class CacheConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                ">= 2 blocks", self.num_kv_blocks)
         _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+        _check(self.swap_space >= 0, "swap_space", ">= 0 GiB", self.swap_space)
+        _check(0 < self.kv_watermark_low <= self.kv_watermark_high <= self.kv_watermark_critical <= 1,
+               "kv watermarks", "0 < low <= high <= critical <= 1",
+               (self.kv_watermark_low, self.kv_watermark_high, self.kv_watermark_critical))
 
 
 @dataclass(frozen=True)
@@ -77,11 +89,15 @@ class SchedulerConfig:
     max_num_seqs: most sequences in one step (decodes and prefill chunks).
     max_num_batched_tokens: most tokens in one step (the token budget).
     max_waiting_requests: admission queue bound; beyond it requests get `overloaded`.
+    preemption_mode: "auto" (swap or recompute by the cost model), "swap" or "recompute".
+    scheduling_policy: "fcfs" (more in service.policy).
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
+    preemption_mode: str = "auto"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
@@ -89,6 +105,8 @@ class SchedulerConfig:
                self.max_num_batched_tokens)
         _check(self.max_waiting_requests >= 1, "max_waiting_requests", ">= 1",
                self.max_waiting_requests)
+        _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode",
+               "one of auto, swap, recompute", self.preemption_mode)
 
 
 @dataclass(frozen=True)

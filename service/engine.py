@@ -30,8 +30,9 @@ from service.loader import LoadedModel
 from service.model_runner import ModelRunner
 from service.request import Request
 from service.request_stream import Event, RequestStream, Sink
-from service.scheduler import Scheduler
+from service.scheduler import PreemptionCost, Scheduler
 from service.scheduler_output import SchedulerOutput
+from service.swap_space import SwapSpace
 from service.tokenize_prompt import tokenize_prompt
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,14 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
-        self._inbox: asyncio.Queue[_Live] = asyncio.Queue(self.config.scheduler.max_waiting_requests)
+        self._inbox: asyncio.Queue[_Live] = asyncio.Queue()
         self._aborts: set[str] = set()
         self._live: dict[str, _Live] = {}
         self._wakeup = asyncio.Event()
         self._closing = False
         self.ready = False
         self.num_steps = 0
+        self._mean_e2e_s: float | None = None
 
     # ---- life cycle --------------------------------------------------------------
     async def start(self) -> Engine:
@@ -85,9 +87,16 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._runner = await loop.run_in_executor(
             self._executor, lambda: ModelRunner(self.config, self._loaded))
-        pool = KVBlockPool(self._runner.num_blocks, self.config.cache.block_size,
+        runner = self._runner
+        swap_bw, prefill_rate = await loop.run_in_executor(self._executor, runner.measure_rates)
+        cost = PreemptionCost(runner.kv_bytes_per_block, swap_bw, prefill_rate) \
+            if swap_bw > 0 else None
+        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_bw / 1e9, prefill_rate)
+        pool = KVBlockPool(runner.num_blocks, self.config.cache.block_size,
                            self.config.cache.enable_prefix_caching)
-        self._scheduler = Scheduler(self.config.scheduler, pool, self._runner.max_model_len)
+        self._scheduler = Scheduler(self.config.scheduler, pool, runner.max_model_len,
+                                    cache=self.config.cache,
+                                    swap=SwapSpace(runner.num_swap_blocks), cost=cost)
         self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
         self.ready = True
         return self
@@ -174,16 +183,28 @@ class Engine:
         if sink is None:
             stream = RequestStream(client_id, len(ids))
             sink = stream.put
+        limit = self.config.scheduler.max_waiting_requests
+        if self.num_waiting >= limit:
+            raise Overloaded(f"the admission queue is full ({limit} requests waiting)",
+                             retry_after_ms=self._retry_after_ms(), request_id=client_id)
         detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
         live = _Live(req, client_id, sink, detok)
-        try:
-            self._inbox.put_nowait(live)
-        except asyncio.QueueFull:
-            raise Overloaded(f"the admission queue is full ({self._inbox.maxsize} requests)",
-                             retry_after_ms=1000, request_id=client_id) from None
+        self._inbox.put_nowait(live)
         self._live[request_id] = live
         self._wakeup.set()
         return stream if stream is not None else len(ids)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted but never scheduled yet (the admission queue's length)."""
+        return self._inbox.qsize() + self.scheduler.num_waiting_new
+
+    def _retry_after_ms(self) -> int:
+        """When a slot in the admission queue is likely: the queue drains at about one
+        batch of max_num_seqs requests per mean request duration seen so far."""
+        per_request_s = self._mean_e2e_s or 1.0
+        batches = self.num_waiting / self.config.scheduler.max_num_seqs
+        return int(min(60_000, max(100, 1000 * per_request_s * max(batches, 1.0) / 4)))
 
     def _check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
         limit = self.max_model_len
@@ -304,6 +325,8 @@ class Engine:
         req.finish_reason = reason
         n_out = len(req.output_token_ids)
         end = time.monotonic()
+        e2e = end - req.arrival_time
+        self._mean_e2e_s = e2e if self._mean_e2e_s is None else 0.9 * self._mean_e2e_s + 0.1 * e2e
         tpot = None
         if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
             tpot = round((req.last_token_time - req.first_token_time) * 1000.0 / (n_out - 1), 3)

@@ -61,8 +61,16 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_blocks, cc.block_size,
-                 self.kv_cache_bytes / 2**20)
+        self.kv_bytes_per_block = per_block
+        # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
+        self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
+        swap_shape = (2, self.num_swap_blocks) + shape[2:]
+        pin = self.device.type == "cuda"
+        self.swap_caches = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin)
+                            for _ in range(self.model.num_layers)] if self.num_swap_blocks else []
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB; swap space %d blocks",
+                 self.num_blocks, cc.block_size, self.kv_cache_bytes / 2**20,
+                 self.num_swap_blocks)
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
@@ -104,10 +112,61 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta,
                 logits_indices.to(dev))
 
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write copies, in that order, on every layer."""
+        for pairs, src_caches, dst_caches in (
+                (out.swap_out, self.kv_caches, self.swap_caches),
+                (out.swap_in, self.swap_caches, self.kv_caches),
+                (out.copy_blocks, self.kv_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], device=src_caches[0].device)
+            dst = torch.tensor([p[1] for p in pairs], device=dst_caches[0].device)
+            for s_cache, d_cache in zip(src_caches, dst_caches):
+                d_cache[:, dst] = s_cache[:, src].to(d_cache.device, non_blocking=True)
+        if self.device.type == "cuda" and (out.swap_out or out.swap_in):
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def measure_rates(self, prefill_tokens: int = 128) -> tuple[float, float]:
+        """(swap bytes/s, prefill tokens/s) measured on this machine (a few hundred ms).
+
+        Uses blocks of the empty cache as scratch: call before any request runs.
+        """
+        import time
+        from service.scheduler_output import ScheduledSequence
+        from protocol import SamplingParams
+
+        swap_bw = 0.0
+        n = min(32, self.num_blocks, self.num_swap_blocks)
+        if n:
+            pairs = [(i, i) for i in range(n)]
+            self.apply_block_ops(SchedulerOutput([], 0, swap_out=pairs))  # warm-up
+            t = time.perf_counter()
+            self.apply_block_ops(SchedulerOutput([], 0, swap_out=pairs, swap_in=pairs))
+            swap_bw = 2 * n * self.kv_bytes_per_block / max(time.perf_counter() - t, 1e-9)
+        tokens = min(prefill_tokens, self.num_blocks * self.block_size, self.max_model_len)
+        blocks = list(range(self.blocks_needed(tokens)))
+        seq = ScheduledSequence("warmup", [0] * tokens, 0, blocks, False, SamplingParams(), None)
+        ids, pos, meta, _ = self.prepare_inputs(SchedulerOutput([seq], tokens))
+        last = torch.tensor([tokens - 1], device=self.device)
+        rate = 0.0
+        for _ in range(2):  # the first pass warms up allocators and kernels
+            t = time.perf_counter()
+            self.model.forward(ids, pos, meta, self.kv_caches, last)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            rate = tokens / max(time.perf_counter() - t, 1e-9)
+        return swap_bw, rate
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns {request_id: sampled token} for sequences that sample."""
-        if out.is_empty:
+        self.apply_block_ops(out)
+        if not out.sequences:
             return {}
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)

@@ -26,9 +26,10 @@ from service.sampler import make_generator
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"      # never scheduled yet
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks dropped: recompute from token 0 on resume
+    SWAPPED = "swapped"      # blocks copied to CPU swap space: copied back on resume
     FINISHED = "finished"
 
 
@@ -49,6 +50,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
+    cpu_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
     num_cached_tokens: int = -1  # prefix cache hit at first schedule; -1 = not scheduled yet
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

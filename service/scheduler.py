@@ -4,44 +4,100 @@ Before every forward the batch is rebuilt: finished requests have already left,
 running requests get their next token(s), waiting requests fill what is left of
 the token budget (`max_num_batched_tokens`) and sequence cap (`max_num_seqs`).
 Prefill is chunked: a long prompt takes several steps, mixed with other
-sequences' decodes. Preemption is by recompute: the victim's blocks are freed
-and it goes back to the front of the waiting queue (vLLM's recompute mode).
+sequences' decodes.
 
-Policy here is FCFS: waiting requests are admitted in arrival order and the
-newest running request is the preemption victim. A request is never preempted
-forever: a preempted request goes to the FRONT of the waiting queue, and the
-admission check guarantees that any single request fits the whole pool, so once
-the requests ahead of it finish it runs alone at worst.
+KV pressure (DESIGN.md, "Actors"):
+- above `kv_watermark_high` no new request starts; admission reopens below
+  `kv_watermark_low` (hysteresis, so admission does not flap at one level);
+- above `kv_watermark_critical` running requests are preempted until usage is
+  back under it (at least one keeps running);
+- when a running request needs a block and none is free, the policy's victim is
+  preempted, by swap (its blocks copied to CPU swap space) or by recompute (its
+  blocks dropped, its tokens prefilled again), as `preemption_mode` and the cost
+  model say (vLLM's two preemption modes, PagedAttention SOSP 2023, section 4.5).
+
+No deadlock and no starvation by preemption: admission guarantees that any single
+request fits the whole pool; when blocks run short one victim at a time is
+preempted and the rest go on (the request that needs the block may be its own
+victim, which frees room for the others); preempted requests are resumed before
+any new request is admitted, and in policy order, so under FCFS the oldest
+request is never preempted while a newer one runs: it finishes at the latest
+when it is alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from dataclasses import dataclass
 
 from service.block_pool import KVBlockPool
-from service.config import SchedulerConfig
+from service.config import CacheConfig, SchedulerConfig
+from service.policy import FCFSPolicy, make_policy
 from service.request import Request, RequestStatus
 from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.swap_space import SwapSpace
+
+_RESUMABLE = (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+
+
+@dataclass(frozen=True)
+class PreemptionCost:
+    """Rates measured at start-up for the swap-or-recompute choice (DESIGN.md):
+
+    swap when kv_bytes / swap_bytes_per_s < tokens / prefill_tokens_per_s.
+    """
+
+    kv_bytes_per_block: int
+    swap_bytes_per_s: float
+    prefill_tokens_per_s: float
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        swap_s = num_blocks * self.kv_bytes_per_block / self.swap_bytes_per_s
+        return swap_s < num_tokens / self.prefill_tokens_per_s
+
+
+@dataclass
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    budget: int
+    sequences: list[ScheduledSequence]
+    scheduled: set[str]
+    preempted: list[str]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
 
 
 class Scheduler:
-    """Owns the waiting and running sets and the KV block pool (sync, no I/O).
+    """Owns the waiting and running sets, the KV block pool and the swap space (sync, no I/O).
 
     Args:
-        config: token budget and sequence cap.
+        config: token budget, sequence cap, preemption mode, policy.
         pool: the KV block pool (only this object calls it).
         max_model_len: context cap in tokens.
+        cache: watermarks (kv_watermark_high / low / critical).
+        swap: CPU swap space; None disables swapping.
+        cost: measured rates for preemption_mode "auto" (recompute when None).
     """
 
-    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, pool: KVBlockPool, max_model_len: int, *,
+                 cache: CacheConfig | None = None, swap: SwapSpace | None = None,
+                 cost: PreemptionCost | None = None) -> None:
         self.config = config
         self.pool = pool
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.cache = cache or CacheConfig()
+        self.swap = swap
+        self.cost = cost
+        self.policy: FCFSPolicy = make_policy(config.scheduling_policy)
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.admitting = True  # watermark hysteresis state
         self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_recomputes = 0
 
     # ---- membership ------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -52,6 +108,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting_new(self) -> int:
+        """Waiting requests that never ran (the admission queue's length)."""
+        return sum(1 for r in self.waiting if r.status is RequestStatus.WAITING)
+
     def finish_request(self, request_id: str, reason: str) -> Request | None:
         """End a request (stop, length, cancelled, error): free its blocks, drop it.
 
@@ -60,12 +121,13 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
+        if req.cpu_block_ids:
+            assert self.swap is not None
+            self.swap.free(req.cpu_block_ids)
+            req.cpu_block_ids = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         return req
@@ -81,59 +143,107 @@ class Scheduler:
         are one code path. Decodes are served before prefill chunks so that a long
         prompt never stalls the streams already running.
         """
-        budget = self.config.max_num_batched_tokens
-        out: list[ScheduledSequence] = []
-        scheduled: set[str] = set()
-        preempted: list[str] = []
+        now = time.monotonic()
+        st = _Step(self.config.max_num_batched_tokens, [], set(), [], [], [], [])
+        self._relieve_critical(st, now)
+        self._schedule_running(st, now)
+        usage = self.pool.usage
+        if usage >= self.cache.kv_watermark_high:
+            self.admitting = False
+        elif usage < self.cache.kv_watermark_low:
+            self.admitting = True
+        if not st.preempted:
+            self._schedule_waiting(st, now)
+        return SchedulerOutput(st.sequences, self.config.max_num_batched_tokens - st.budget,
+                               st.preempted, st.swap_out, st.swap_in, st.copies)
 
-        # 1) running requests: decodes first, then unfinished prefill chunks
+    def _relieve_critical(self, st: _Step, now: float) -> None:
+        while self.pool.usage > self.cache.kv_watermark_critical and len(self.running) > 1:
+            self._preempt(self._pick_victim(st, now), st)
+
+    def _schedule_running(self, st: _Step, now: float) -> None:
         def remaining(r: Request) -> int:
             return r.num_tokens - r.num_computed_tokens
 
-        order = sorted(self.running, key=lambda r: remaining(r) > 1)  # stable
-        for req in order:
-            if budget == 0:
+        for req in sorted(self.running, key=lambda r: remaining(r) > 1):  # decodes first
+            if st.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(remaining(req), budget)
-            while not self._allocate(req, n):
-                victim = self._pick_victim(scheduled)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+            n = min(remaining(req), st.budget)
+            while not self._allocate(req, n, st):
+                victim = self._pick_victim(st, now)
+                self._preempt(victim, st)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                out.append(self._scheduled(req, n))
-                scheduled.add(req.request_id)
-                budget -= n
+                self._emit(req, n, st)
 
-        # 2) waiting requests, in order, unless this step had to preempt
-        while not preempted and self.waiting and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            tokens = req.all_token_ids
-            cached = self._cached_prefix(req, tokens)
-            num_cached = len(cached) * self.pool.block_size
-            n = min(len(tokens) - num_cached, budget)
-            need = self.pool.blocks_needed(num_cached + n) - len(cached)
-            if not self.pool.can_allocate(need, cached):
-                break
-            self.pool.take_cached(cached)
-            req.block_ids = cached + self.pool.allocate(need)
-            req.num_computed_tokens = num_cached
-            req.num_registered_blocks = len(cached)
-            self.pool.record_prefix_query(len(tokens), num_cached)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                req.first_scheduled_time = time.monotonic()
-            self.waiting.popleft()
+    def _schedule_waiting(self, st: _Step, now: float) -> None:
+        # preempted requests first, then by the policy's order
+        order = sorted(self.waiting, key=lambda r: (r.status is RequestStatus.WAITING,
+                                                    self.policy.waiting_key(r, now)))
+        for req in order:
+            if st.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if req.status is RequestStatus.WAITING and not self.admitting:
+                return  # above the high watermark: no new prefill until below the low one
+            if req.status is RequestStatus.SWAPPED:
+                ok = self._swap_in(req, st)
+            else:
+                ok = self._start(req, st)
+            if not ok:
+                return  # head-of-line: keep the policy's order
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.append(self._scheduled(req, n))
-            budget -= n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self._emit(req, min(req.num_tokens - req.num_computed_tokens, st.budget), st)
 
-        return SchedulerOutput(out, self.config.max_num_batched_tokens - budget, preempted)
+    def _fits_resume(self, need: int) -> bool:
+        """A resumed request may not push usage over the high watermark (unless it runs
+        alone), so critical-watermark preemption cannot thrash with resumption."""
+        if not self.running:
+            return True
+        after = 1.0 - (self.pool.num_free_blocks - need) / self.pool.num_blocks
+        return after <= self.cache.kv_watermark_high
+
+    def _start(self, req: Request, st: _Step) -> bool:
+        """Blocks for a new or recompute-preempted request's first chunk (prefix hits reused)."""
+        tokens = req.all_token_ids
+        cached = self._cached_prefix(req, tokens)
+        num_cached = len(cached) * self.pool.block_size
+        n = min(len(tokens) - num_cached, st.budget)
+        need = self.pool.blocks_needed(num_cached + n) - len(cached)
+        if not self.pool.can_allocate(need, cached):
+            return False
+        if req.status is RequestStatus.PREEMPTED and \
+                not self._fits_resume(need + self.pool.num_reclaimable(cached)):
+            return False
+        self.pool.take_cached(cached)
+        req.block_ids = cached + self.pool.allocate(need)
+        req.num_computed_tokens = num_cached
+        req.num_registered_blocks = len(cached)
+        self.pool.record_prefix_query(len(tokens), num_cached)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        return True
+
+    def _swap_in(self, req: Request, st: _Step) -> bool:
+        """Device blocks for a swapped-out request: its CPU blocks come back first."""
+        assert self.swap is not None
+        n = min(req.num_tokens - req.num_computed_tokens, st.budget)
+        need = max(self.pool.blocks_needed(req.num_computed_tokens + n), len(req.cpu_block_ids))
+        if not self.pool.can_allocate(need) or not self._fits_resume(need):
+            return False
+        blocks = self.pool.allocate(need)
+        st.swap_in.extend(zip(req.cpu_block_ids, blocks))
+        self.swap.free(req.cpu_block_ids)
+        req.cpu_block_ids = []
+        req.block_ids = blocks
+        req.num_registered_blocks = 0  # re-register full blocks under their hashes
+        return True
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
@@ -157,9 +267,9 @@ class Scheduler:
         return got
 
     # ---- helpers -------------------------------------------------------------------
-    def _scheduled(self, req: Request, n: int) -> ScheduledSequence:
+    def _emit(self, req: Request, n: int, st: _Step) -> None:
         start = req.num_computed_tokens
-        return ScheduledSequence(
+        st.sequences.append(ScheduledSequence(
             request_id=req.request_id,
             token_ids=req.token_slice(start, start + n),
             num_computed_tokens=start,
@@ -167,36 +277,71 @@ class Scheduler:
             sample=start + n == req.num_tokens,
             params=req.params,
             generator=req.generator,
-        )
+        ))
+        st.scheduled.add(req.request_id)
+        st.budget -= n
 
-    def _allocate(self, req: Request, n: int) -> bool:
-        """Give `req` blocks for n more tokens; False (nothing taken) when the pool is short."""
-        need = self.pool.blocks_needed(req.num_computed_tokens + n) - len(req.block_ids)
+    def _allocate(self, req: Request, n: int, st: _Step) -> bool:
+        """Give `req` blocks for n more tokens; False (nothing taken) when the pool is short.
+
+        Copy-on-write: if the partly filled block that the first new token goes into is
+        shared (ref count > 1), the request gets a private copy first. By construction
+        the prefix cache shares only full blocks, which are never written again, so this
+        guards forks of a sequence (e.g. parallel sampling) rather than prefix hits.
+        """
+        bs = self.pool.block_size
+        start = req.num_computed_tokens
+        cow = start % bs != 0 and self.pool.blocks[req.block_ids[start // bs]].ref_cnt > 1
+        need = self.pool.blocks_needed(start + n) - len(req.block_ids) + cow
         if need <= 0:
             return True
         blocks = self.pool.allocate(need)
         if not blocks:
             return False
+        if cow:
+            i = start // bs
+            st.copies.append((req.block_ids[i], blocks[0]))
+            self.pool.free([req.block_ids[i]])
+            req.block_ids[i] = blocks.pop(0)
         req.block_ids.extend(blocks)
         return True
 
-    def _pick_victim(self, scheduled: set[str]) -> Request:
-        """FCFS: the most recently arrived running request not yet in this step."""
-        candidates = [r for r in self.running if r.request_id not in scheduled]
+    def _pick_victim(self, st: _Step, now: float) -> Request:
+        """The policy's victim among running requests not yet in this step."""
+        candidates = [r for r in self.running if r.request_id not in st.scheduled]
         assert candidates, "no preemption candidate: the current request is always one"
-        return max(candidates, key=lambda r: r.arrival_time)
+        return max(candidates, key=lambda r: self.policy.victim_key(r, now))
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: free the blocks, back to the front of the waiting queue."""
+    def _preempt(self, req: Request, st: _Step) -> None:
+        """Swap `req` out to CPU or drop its blocks for recompute; it rejoins the waiting set."""
         self.running.remove(req)
+        cpu = self.swap.allocate(len(req.block_ids)) if self._swap_chosen(req) else []
+        if cpu:
+            assert self.swap is not None
+            st.swap_out.extend(zip(req.block_ids, cpu))
+            req.cpu_block_ids = cpu
+            req.status = RequestStatus.SWAPPED
+            self.num_swaps += 1
+        else:
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.num_recomputes += 1
         self.pool.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = 0
         req.num_registered_blocks = 0
-        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.append(req)
+        st.preempted.append(req.request_id)
+
+    def _swap_chosen(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if self.swap is None or self.swap.num_blocks == 0 or mode == "recompute":
+            return False
+        if mode == "swap":
+            return True
+        return self.cost is not None and self.cost.prefer_swap(len(req.block_ids),
+                                                               req.num_computed_tokens)
 
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
         if not self.pool.enable_prefix_caching:
@@ -227,7 +372,11 @@ class Scheduler:
         req.num_registered_blocks = num_full
 
     def check_integrity(self) -> None:
-        """The pool's invariants against every live request's block table."""
+        """The pool's and swap space's invariants against every live request's blocks."""
         self.pool.check_integrity([r.block_ids for r in self.running])
         for r in self.waiting:
             assert not r.block_ids, f"waiting request {r.request_id} holds blocks {r.block_ids}"
+            assert bool(r.cpu_block_ids) == (r.status is RequestStatus.SWAPPED), (
+                f"request {r.request_id} is {r.status} with CPU blocks {r.cpu_block_ids}")
+        if self.swap is not None:
+            self.swap.check_integrity([r.cpu_block_ids for r in self.waiting])

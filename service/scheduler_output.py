@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,12 +30,21 @@ class ScheduledSequence:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What one forward computes. `preempted` lists request ids preempted while building it."""
+    """What one step does, in this order: swap out, swap in, copy blocks, forward.
+
+    swap_out: (device block, CPU block) pairs to copy to CPU before anything else.
+    swap_in: (CPU block, device block) pairs to copy back.
+    copy_blocks: (source, destination) device blocks for copy-on-write.
+    preempted: request ids preempted while building this step.
+    """
 
     sequences: list[ScheduledSequence]
     num_batched_tokens: int
-    preempted: list[str]
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.sequences
+        return not (self.sequences or self.swap_out or self.swap_in or self.copy_blocks)

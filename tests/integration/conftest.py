@@ -12,16 +12,21 @@ from service.engine import Engine
 def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   num_kv_blocks: int | None = 512, block_size: int = 16,
                   enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                  max_waiting_requests: int = 1024) -> EngineConfig:
+                  max_waiting_requests: int = 1024, preemption_mode: str = "auto",
+                  swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
+                  ) -> EngineConfig:
     from service.config import ModelConfig
 
     return EngineConfig(
         model=ModelConfig(attention_backend=attention_backend),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
+                          kv_watermark_low=watermarks[0], kv_watermark_high=watermarks[1],
+                          kv_watermark_critical=watermarks[2]),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
-                                  max_waiting_requests=max_waiting_requests),
+                                  max_waiting_requests=max_waiting_requests,
+                                  preemption_mode=preemption_mode),
     )
 
 

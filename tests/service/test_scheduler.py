@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from protocol import SamplingParams
 from service.block_pool import KVBlockPool
-from service.config import SchedulerConfig
+from service.config import CacheConfig, SchedulerConfig
 from service.request import Request, RequestStatus
-from service.scheduler import Scheduler
+from service.scheduler import PreemptionCost, Scheduler
+from service.swap_space import SwapSpace
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=8, prefix=True) -> Scheduler:
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=8, prefix=True,
+         watermarks=(1.0, 1.0, 1.0), mode="recompute", swap_blocks=0, cost=None) -> Scheduler:
+    """A scheduler over a small pool; watermarks (low, high, critical) off by default."""
     pool = KVBlockPool(num_blocks, block_size, prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                     pool, max_model_len=1024)
+    low, high, critical = watermarks
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        preemption_mode=mode),
+        pool, max_model_len=1024,
+        cache=CacheConfig(kv_watermark_low=low, kv_watermark_high=high,
+                          kv_watermark_critical=critical),
+        swap=SwapSpace(swap_blocks) if swap_blocks else None, cost=cost)
 
 
 def req(rid: str, n_prompt: int, t: float, max_tokens: int = 100, base: int = 0) -> Request:
@@ -107,3 +116,95 @@ def test_no_prefix_hit_when_disabled():
     s.finish_request("a", "stop")
     s.add_request(req("b", 9, 1.0))
     assert step(s) == [("b", 9, 0, True)]
+
+
+def _two_running_full_pool(**kw) -> Scheduler:
+    """a and b (3-token prompts, 1 output token each) fill a 4-block pool of 2-token blocks."""
+    s = make(num_blocks=4, block_size=2, budget=16, **kw)
+    s.add_request(req("a", 3, 0.0))
+    s.add_request(req("b", 3, 1.0, base=100))
+    step(s)
+    step(s)
+    return s
+
+
+def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
+    s = _two_running_full_pool(mode="swap", swap_blocks=4)
+    b = s.requests["b"]
+    assert b.block_ids == [2, 3]
+    out = s.schedule()
+    assert out.preempted == ["b"] and out.swap_out == [(2, 0), (3, 1)]
+    assert b.status is RequestStatus.SWAPPED and b.cpu_block_ids == [0, 1]
+    assert b.num_computed_tokens == 4 and s.num_swaps == 1 and s.num_recomputes == 0
+    s.update_from_output(out, {"a": 7})
+    s.check_integrity()
+    s.finish_request("a", "stop")
+    out = s.schedule()
+    # b's two CPU blocks come back into fresh device blocks, plus one for its next token
+    assert [(q.request_id, len(q.token_ids), q.num_computed_tokens) for q in out.sequences] == \
+        [("b", 1, 4)]
+    assert out.swap_in == [(0, 2), (1, 3)] and b.block_ids == [2, 3, 1]
+    assert s.swap.num_free_blocks == 4
+    s.update_from_output(out, {"b": 8})
+    s.check_integrity()
+
+
+def test_auto_mode_follows_the_cost_model():
+    fast_swap = PreemptionCost(kv_bytes_per_block=1000, swap_bytes_per_s=1e9,
+                               prefill_tokens_per_s=100.0)
+    s = _two_running_full_pool(mode="auto", swap_blocks=4, cost=fast_swap)
+    assert s.schedule().swap_out  # swapping 2 KB beats recomputing 4 tokens at 100 tok/s
+    slow_swap = PreemptionCost(kv_bytes_per_block=10**9, swap_bytes_per_s=1e6,
+                               prefill_tokens_per_s=1e6)
+    s = _two_running_full_pool(mode="auto", swap_blocks=4, cost=slow_swap)
+    out = s.schedule()
+    assert out.preempted == ["b"] and not out.swap_out
+    assert s.requests["b"].status is RequestStatus.PREEMPTED
+
+
+def test_high_watermark_stops_new_prefill_until_below_low():
+    # 10 blocks of 4 tokens; high 0.5, low 0.3
+    s = make(num_blocks=10, block_size=4, budget=64, watermarks=(0.3, 0.5, 1.0))
+    s.add_request(req("a", 20, 0.0))                       # 5 blocks -> usage 0.5
+    assert [x[0] for x in step(s)] == ["a"]
+    s.add_request(req("b", 3, 1.0))
+    assert [x[0] for x in step(s)] == ["a"]                # usage >= high: b may not start
+    assert not s.admitting and s.requests["b"].status is RequestStatus.WAITING
+    s.finish_request("a", "stop")
+    assert [x[0] for x in step(s)] == ["b"]                # usage 0 < low: admission reopens
+    assert s.admitting
+
+
+def test_critical_watermark_preempts_newest():
+    s = make(num_blocks=10, block_size=4, budget=64, watermarks=(0.5, 0.6, 0.8))
+    s.add_request(req("a", 15, 0.0))                       # 4 blocks
+    s.add_request(req("b", 15, 1.0))                       # 4 blocks -> usage 0.8
+    step(s)
+    step(s)
+    step(s)                                                # a, b took a 5th block each
+    assert s.pool.usage == 1.0
+    out = s.schedule()
+    assert out.preempted == ["b"] and [q.request_id for q in out.sequences] == ["a"]
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    s = make(num_blocks=8, block_size=4, budget=16)
+    s.add_request(req("a", 6, 0.0))
+    step(s)                                                # a: blocks [0, 1], 6 computed
+    a = s.requests["a"]
+    # fork a into b sharing both blocks (as parallel sampling would)
+    b = Request("b", list(a.prompt_token_ids), SamplingParams(max_tokens=100), arrival_time=1.0)
+    b.output_token_ids = list(a.output_token_ids)
+    s.pool.take_cached(a.block_ids)
+    b.block_ids = list(a.block_ids)
+    b.num_computed_tokens = a.num_computed_tokens
+    b.status = RequestStatus.RUNNING
+    s.requests["b"] = b
+    s.running.append(b)
+    out = s.schedule()
+    # a writes token 6 into block 1 (shared, partly filled): a gets a copy; then b is the
+    # only holder of block 1 and writes in place
+    assert out.copy_blocks == [(1, 2)]
+    assert a.block_ids == [0, 2] and b.block_ids == [0, 1]
+    s.update_from_output(out, {"a": 7, "b": 7})
+    s.check_integrity()
