@@ -186,8 +186,13 @@ async def test_server_error_is_shown_and_the_page_goes_on(make_server, browser_p
     engine, server = await make_server()
     await _open(page, server.port)
 
-    await _ask(page, "Hi", max_tokens=100000)
+    # The message is markup: it must be shown as text, never parsed (XSS).
+    markup = '<b>Hi</b><img src=x onerror="window.__xss = 1">'
+    await _ask(page, markup, max_tokens=100000)
     await _wait_answer_end(page)
+    await expect(page.locator('[role="log"] .msg.user').last).to_have_text(markup)
+    assert await page.locator('[role="log"] b, [role="log"] img').count() == 0
+    assert await page.evaluate("window.__xss === undefined")
     failed = _last_answer(page)
     await expect(failed).to_have_attribute("data-state", "error")
     await expect(failed.locator(".note.error")).to_contain_text("context_length_exceeded")
@@ -203,7 +208,7 @@ async def test_server_error_is_shown_and_the_page_goes_on(make_server, browser_p
     await _wait_answer_end(page)
     await expect(_last_answer(page)).to_have_attribute("data-state", "done")
     generates = [f for f in sent if f["type"] == "generate"]
-    assert [g["messages"] for g in generates] == [[{"role": "user", "content": "Hi"}],
+    assert [g["messages"] for g in generates] == [[{"role": "user", "content": markup}],
                                                   [{"role": "user", "content": "Say hello."}]]
     # Shift+Enter is a newline, not a send.
     await box.press("Shift+Enter")
