@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from service.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
@@ -86,6 +85,14 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor",
                                      description="Conveyor: an LLM streaming server.")
@@ -101,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests in flight per socket (`too_many_requests` beyond)")
     add_engine_args(serve)
     serve.add_argument("--log-level", default="info",
-                       choices=["debug", "info", "warning", "error"])
+                       choices=["debug", "info", "warning", "error"],
+                       help="log level; JSON lines unless stderr is a terminal")
+    serve.add_argument("--loop", default="uvloop" if _has_uvloop() else "asyncio",
+                       choices=["asyncio", "uvloop"], help="event loop implementation")
     sub.add_parser("chat", help="terminal chat client (see `conveyor chat --help`)",
                    add_help=False)
     sub.add_parser("bench", help="load generator and benchmarks (see `conveyor bench --help`)",
@@ -136,13 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         from service.bench.cli import main as bench_main
         return bench_main(argv[1:]) or 0
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    from service.logs import configure_logging
+
+    configure_logging(a.log_level)
+    runner = asyncio.run
+    if a.loop == "uvloop":
         import uvloop
         runner = uvloop.run
-    except ImportError:
-        runner = asyncio.run
     try:
         runner(_serve(a))
     except KeyboardInterrupt:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
+
+import structlog
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
@@ -22,7 +23,7 @@ from service.engine import Engine
 from service.outbox import Outbox
 from service.request_stream import Event
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 _conn_ids = itertools.count(1)
 
 
@@ -45,6 +46,19 @@ class Connection:
         return f"{self.conn_id}/{client_id}"
 
     async def run(self) -> None:
+        metrics = self.engine.metrics
+        if metrics is not None:
+            metrics.connections.inc()
+        log.info("connection_opened", connection_id=self.conn_id,
+                 peer=str(self.ws.remote_address))
+        try:
+            await self._serve()
+        finally:
+            if metrics is not None:
+                metrics.connections.dec()
+            log.info("connection_closed", connection_id=self.conn_id)
+
+    async def _serve(self) -> None:
         send = lambda data: self.ws.send(data, text=True)  # noqa: E731
         writer = asyncio.create_task(self.outbox.run(send), name=f"{self.conn_id}-writer")
         self.outbox.put(Hello(protocol=PROTOCOL_VERSION, model=self.engine.model_name,
@@ -75,7 +89,7 @@ class Connection:
         except ProtocolError as e:
             self.outbox.put(e.to_frame())
         except Exception:
-            log.exception("%s: unexpected error handling a frame", self.conn_id)
+            log.exception("frame_failed", connection_id=self.conn_id)
             from protocol import InternalError
             self.outbox.put(InternalError("the server failed to handle this frame").to_frame())
 
@@ -97,6 +111,6 @@ class Connection:
         n = self.engine.add_request(
             messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
             params=msg.params, request_id=self._key(client_id), client_id=client_id,
-            sink=sink, arrival_time=received)
+            sink=sink, arrival_time=received, connection_id=self.conn_id)
         self.in_flight.add(client_id)
         self.outbox.put(Accepted(id=client_id, prompt_tokens=int(n)))

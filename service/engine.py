@@ -14,11 +14,12 @@ the sampled tokens into events for each request's sink.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import structlog
 
 from protocol import (ChatMessage, ContextLengthExceeded, Delta, Done, DuplicateId, Error,
                       InternalError, InvalidRequest, Overloaded, SamplingParams, ShuttingDown,
@@ -27,6 +28,7 @@ from service.block_pool import KVBlockPool
 from service.config import EngineConfig
 from service.detokenizer import IncrementalDetokenizer
 from service.loader import LoadedModel
+from service.metrics import EngineMetrics, EngineState
 from service.model_runner import ModelRunner
 from service.request import Request
 from service.request_stream import Event, RequestStream, Sink
@@ -35,20 +37,25 @@ from service.scheduler_output import SchedulerOutput
 from service.swap_space import SwapSpace
 from service.tokenize_prompt import tokenize_prompt
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 
 class _Live:
     """Engine-side bookkeeping of one request between admission and its Done."""
 
-    __slots__ = ("req", "client_id", "sink", "detok")
+    __slots__ = ("req", "client_id", "connection_id", "sink", "detok")
 
-    def __init__(self, req: Request, client_id: str, sink: Sink,
+    def __init__(self, req: Request, client_id: str, connection_id: str | None, sink: Sink,
                  detok: IncrementalDetokenizer) -> None:
         self.req = req
         self.client_id = client_id
+        self.connection_id = connection_id
         self.sink = sink
         self.detok = detok
+
+
+def _injected_fault(out: SchedulerOutput) -> dict[str, int]:
+    raise RuntimeError("injected step fault (Engine.inject_fault, test-only)")
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -77,8 +84,11 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._closing = False
         self.ready = False
+        self.accepting = False
         self.num_steps = 0
         self._mean_e2e_s: float | None = None
+        self._fault_steps = 0
+        self.metrics: EngineMetrics | None = None
 
     # ---- life cycle --------------------------------------------------------------
     async def start(self) -> Engine:
@@ -91,14 +101,20 @@ class Engine:
         swap_bw, prefill_rate = await loop.run_in_executor(self._executor, runner.measure_rates)
         cost = PreemptionCost(runner.kv_bytes_per_block, swap_bw, prefill_rate) \
             if swap_bw > 0 else None
-        log.info("measured: swap %.2f GB/s, prefill %.0f tokens/s", swap_bw / 1e9, prefill_rate)
+        log.info("measured_rates", swap_gb_per_s=round(swap_bw / 1e9, 2),
+                 prefill_tokens_per_s=round(prefill_rate))
         pool = KVBlockPool(runner.num_blocks, self.config.cache.block_size,
                            self.config.cache.enable_prefix_caching)
         self._scheduler = Scheduler(self.config.scheduler, pool, runner.max_model_len,
                                     cache=self.config.cache,
                                     swap=SwapSpace(runner.num_swap_blocks), cost=cost)
+        self.metrics = EngineMetrics(runner.loaded.name)
+        self.metrics.read_state_from(self._metrics_state)
         self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
-        self.ready = True
+        self.ready = self.accepting = True
+        log.info("engine_ready", model=runner.loaded.name, kv_blocks=runner.num_blocks,
+                 block_size=self.config.cache.block_size, device=str(runner.device),
+                 kernels=runner.ops.name)
         return self
 
     async def close(self) -> None:
@@ -108,13 +124,43 @@ class Engine:
                 await asyncio.gather(self._task, return_exceptions=True)
             return
         self._closing = True
-        self.ready = False
+        self.ready = self.accepting = False
         self._aborts.update(self._live)
         self._wakeup.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+    def begin_shutdown(self) -> None:
+        """Stop accepting requests (new ones get ShuttingDown); running ones go on."""
+        self.accepting = False
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is in flight; False if `timeout` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._live:
+            if deadline is not None and loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def inject_fault(self, steps: int = 1) -> None:
+        """Test-only: make the next `steps` forward passes raise inside the worker thread,
+        as a real kernel or runtime failure would."""
+        self._fault_steps += steps
+
+    def _metrics_state(self) -> EngineState | None:
+        if self._scheduler is None:
+            return None
+        sched = self._scheduler
+        stats = sched.pool.stats
+        return EngineState(running=len(sched.running), waiting=len(sched.waiting) +
+                           self._inbox.qsize(), kv_usage=sched.pool.usage,
+                           prefix_queries=stats.prefix_cache_queries,
+                           prefix_hits=stats.prefix_cache_hits,
+                           preemptions=sched.num_preemptions)
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -154,13 +200,15 @@ class Engine:
                     prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                     params: SamplingParams | None = None, request_id: str | None = None,
                     client_id: str | None = None, sink: Sink | None = None,
-                    arrival_time: float | None = None) -> RequestStream | int:
+                    arrival_time: float | None = None,
+                    connection_id: str | None = None) -> RequestStream | int:
         """Validate, tokenize and queue one request.
 
         request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
         written into its events (default: request_id). With `sink`, events are passed to
         it (never awaited) and the prompt length in tokens is returned; without, a
         RequestStream to iterate is returned. arrival_time: `time.monotonic()` of receipt.
+        connection_id: logged with every line about the request.
 
         Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue full),
         ShuttingDown.
@@ -168,7 +216,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         client_id = client_id or request_id
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if self._closing or not self.ready:
+        if not self.accepting:
             raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
         if request_id in self._live:
             raise DuplicateId(f"request id {client_id!r} is already in flight",
@@ -188,7 +236,7 @@ class Engine:
             raise Overloaded(f"the admission queue is full ({limit} requests waiting)",
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
         detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
-        live = _Live(req, client_id, sink, detok)
+        live = _Live(req, client_id, connection_id, sink, detok)
         self._inbox.put_nowait(live)
         self._live[request_id] = live
         self._wakeup.set()
@@ -263,16 +311,22 @@ class Engine:
                 continue
             out = sched.schedule()
             if out.is_empty:
-                log.warning("scheduler produced an empty step with %d waiting", len(sched.waiting))
+                log.warning("empty_step", waiting=len(sched.waiting))
                 await asyncio.sleep(0.005)
                 continue
+            execute = self.runner.execute
+            if self._fault_steps > 0:
+                self._fault_steps -= 1
+                execute = _injected_fault
             try:
-                sampled = await loop.run_in_executor(self._executor, self.runner.execute, out)
+                sampled = await loop.run_in_executor(self._executor, execute, out)
             except Exception:
-                log.exception("step failed; failing its %d requests", len(out.sequences))
+                log.exception("step_failed", requests=[s.request_id for s in out.sequences])
                 self._fail_step(out)
                 continue
             self.num_steps += 1
+            if self.metrics is not None:
+                self.metrics.iteration_tokens.observe(out.num_batched_tokens)
             for req in sched.update_from_output(out, sampled):
                 self._emit_token(req)
 
@@ -291,8 +345,15 @@ class Engine:
     def _emit_token(self, req: Request) -> None:
         live = self._live[req.request_id]
         now = time.monotonic()
+        m = self.metrics
         if req.first_token_time is None:
             req.first_token_time = now
+            if m is not None:
+                m.ttft.observe(now - req.arrival_time)
+        elif m is not None and req.last_token_time is not None:
+            m.itl.observe(now - req.last_token_time)
+        if m is not None:
+            m.generation_tokens.inc()
         req.last_token_time = now
         token = req.output_token_ids[-1]
         reason = req.check_stop(self.max_model_len)
@@ -330,14 +391,22 @@ class Engine:
         tpot = None
         if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
             tpot = round((req.last_token_time - req.first_token_time) * 1000.0 / (n_out - 1), 3)
-        live.sink(Done(
-            id=live.client_id,
-            finish_reason=reason,  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
-                        total_tokens=req.num_prompt_tokens + n_out,
-                        cached_tokens=max(0, req.num_cached_tokens)),
-            timings=Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
-                            ttft_ms=_ms(req.arrival_time, req.first_token_time),
-                            tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),
-                            preemptions=req.num_preemptions),
-        ))
+        usage = Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
+                      total_tokens=req.num_prompt_tokens + n_out,
+                      cached_tokens=max(0, req.num_cached_tokens))
+        timings = Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
+                          ttft_ms=_ms(req.arrival_time, req.first_token_time),
+                          tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),
+                          preemptions=req.num_preemptions)
+        if self.metrics is not None:
+            queue_s = None if req.first_scheduled_time is None \
+                else req.first_scheduled_time - req.arrival_time
+            self.metrics.request_finished(reason, req.num_prompt_tokens, e2e, queue_s)
+        log.info("request_finished", request_id=live.client_id,
+                 connection_id=live.connection_id, finish_reason=reason,
+                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                 cached_tokens=usage.cached_tokens, queue_ms=timings.queue_ms,
+                 ttft_ms=timings.ttft_ms, tpot_ms=timings.tpot_ms, e2e_ms=timings.e2e_ms,
+                 preemptions=timings.preemptions)
+        live.sink(Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
+                       usage=usage, timings=timings))

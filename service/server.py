@@ -3,6 +3,7 @@
     ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md)
     GET /                      the built-in chat page (service/static/chat.html)
     GET /health                200 {"status": "ok"} when ready, 503 otherwise
+    GET /metrics               Prometheus text format (service/metrics.py)
 """
 
 from __future__ import annotations
@@ -78,8 +79,12 @@ class ConveyorServer:
             resp.headers["Content-Type"] = "text/html; charset=utf-8"
             resp.headers["Cache-Control"] = "no-cache"
             return resp
+        if path == "/metrics" and self.engine.metrics is not None:
+            resp = conn.respond(http.HTTPStatus.OK, self.engine.metrics.render().decode())
+            resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+            return resp
         if path == "/health":
-            if self.engine.ready:
+            if self.engine.ready and self.engine.accepting:
                 return _json_response(conn, http.HTTPStatus.OK,
                                       {"status": "ok", "model": self.engine.model_name})
             return _json_response(conn, http.HTTPStatus.SERVICE_UNAVAILABLE,

@@ -1,0 +1,130 @@
+"""Prometheus metrics with vLLM's meanings under the prefix `conveyor:`.
+
+| conveyor:                          | vllm:                              |
+|------------------------------------|------------------------------------|
+| num_requests_running               | num_requests_running               |
+| num_requests_waiting               | num_requests_waiting               |
+| kv_cache_usage_perc                | kv_cache_usage_perc                |
+| prefix_cache_queries_total         | prefix_cache_queries_total         |
+| prefix_cache_hits_total            | prefix_cache_hits_total            |
+| num_preemptions_total              | num_preemptions_total              |
+| prompt_tokens_total                | prompt_tokens_total                |
+| generation_tokens_total            | generation_tokens_total            |
+| request_success_total{finished_reason} | request_success_total{finished_reason} |
+| time_to_first_token_seconds        | time_to_first_token_seconds        |
+| inter_token_latency_seconds        | inter_token_latency_seconds        |
+| e2e_request_latency_seconds        | e2e_request_latency_seconds        |
+| request_queue_time_seconds         | request_queue_time_seconds         |
+| iteration_tokens_total             | iteration_tokens_total             |
+| websocket_connections              | (none: Conveyor's own)             |
+
+Gauges and the prefix-cache and preemption counters are read from the engine's
+state when /metrics is scraped (on the event loop, where that state lives), so
+they can never drift from it: never negative, never above their bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "conveyor:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """A snapshot of what the gauges show (read at scrape time)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+
+
+class _StateCollector:
+    def __init__(self, read: Callable[[], EngineState | None], labels: dict[str, str]) -> None:
+        self._read = read
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        s = self._read()
+        if s is None:
+            return
+        names, values = list(self._labels), list(self._labels.values())
+        for name, doc, value, family in (
+            ("num_requests_running", "Requests in the running batch.", s.running, GaugeMetricFamily),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting, GaugeMetricFamily),
+            ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1).",
+             min(1.0, max(0.0, s.kv_usage)), GaugeMetricFamily),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_queries, CounterMetricFamily),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+             s.prefix_hits, CounterMetricFamily),
+            ("num_preemptions", "Preemptions (swap or recompute).", s.preemptions,
+             CounterMetricFamily),
+        ):
+            metric = family(PREFIX + name, doc, labels=names)
+            metric.add_metric(values, value)
+            yield metric
+
+
+class EngineMetrics:
+    """The engine's Prometheus metrics, in their own registry.
+
+    Args:
+        model_name: the `model_name` label on every metric (as vLLM).
+        registry: where to register (default: a fresh CollectorRegistry).
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        lab = ["model_name"]
+        r = self.registry
+        self._labels = {"model_name": model_name}
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.",
+                                     lab, registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", lab,
+                                         registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                lab + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "cancelled", "error"):
+            self._success.labels(model_name, reason)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens.", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Receipt to done.", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Receipt to first step.", lab,
+                               buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total",
+                                          "Tokens computed per step.", lab,
+                                          buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.connections = Gauge(PREFIX + "websocket_connections", "Open WebSocket connections.",
+                                 lab, registry=r).labels(model_name)
+        self._state_reader: Callable[[], EngineState | None] = lambda: None
+        r.register(_StateCollector(lambda: self._state_reader(), self._labels))
+
+    def read_state_from(self, reader: Callable[[], EngineState | None]) -> None:
+        """Where the scrape-time gauges come from (the engine installs its reader)."""
+        self._state_reader = reader
+
+    def request_finished(self, reason: str, prompt_tokens: int, e2e_s: float,
+                         queue_s: float | None) -> None:
+        self._success.labels(self._labels["model_name"], reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.e2e.observe(e2e_s)
+        if queue_s is not None:
+            self.queue.observe(queue_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
