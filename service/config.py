@@ -83,6 +83,33 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class PolicyOptions:
+    """Knobs of the scheduling policies (service/policy.py).
+
+    priority_aging_s: seconds of waiting worth one priority level (priority; sjf aging).
+    mlfq_slices: generated tokens per MLFQ level; mlfq_boost_s: seconds between boosts.
+    default_ttft_slo_ms: the deadline policy's SLO for requests without ttft_slo_ms.
+    """
+
+    priority_aging_s: float = 10.0
+    mlfq_slices: tuple[int, ...] = (8, 16, 32, 64)
+    mlfq_boost_s: float = 5.0
+    default_ttft_slo_ms: float = 2000.0
+
+    def __post_init__(self) -> None:
+        _check(self.priority_aging_s > 0, "priority_aging_s", "> 0 seconds", self.priority_aging_s)
+        _check(len(self.mlfq_slices) >= 1 and all(s >= 1 for s in self.mlfq_slices),
+               "mlfq_slices", "one or more token counts >= 1", self.mlfq_slices)
+        _check(self.mlfq_boost_s > 0, "mlfq_boost_s", "> 0 seconds", self.mlfq_boost_s)
+        _check(self.default_ttft_slo_ms > 0, "default_ttft_slo_ms", "> 0 ms",
+               self.default_ttft_slo_ms)
+
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "mlfq", "deadline")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits.
 
@@ -90,7 +117,11 @@ class SchedulerConfig:
     max_num_batched_tokens: most tokens in one step (the token budget).
     max_waiting_requests: admission queue bound; beyond it requests get `overloaded`.
     preemption_mode: "auto" (swap or recompute by the cost model), "swap" or "recompute".
-    scheduling_policy: "fcfs" (more in service.policy).
+    scheduling_policy: fcfs, priority, sjf, mlfq or deadline (service/policy.py).
+    batching: "continuous" (the batch is rebuilt every `schedule_interval` steps),
+        "static" (a batch runs until all its members finish; their `done`s are sent
+        together at the end) or "dynamic" (static, but a batch starts when it has
+        max_num_seqs requests or `max_queue_delay_ms` after its first request arrived).
     """
 
     max_num_seqs: int = 32
@@ -98,6 +129,10 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     preemption_mode: str = "auto"
     scheduling_policy: str = "fcfs"
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    batching: str = "continuous"
+    schedule_interval: int = 1
+    max_queue_delay_ms: float = 50.0
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
@@ -107,6 +142,14 @@ class SchedulerConfig:
                self.max_waiting_requests)
         _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode",
                "one of auto, swap, recompute", self.preemption_mode)
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               "one of " + ", ".join(SCHEDULING_POLICIES), self.scheduling_policy)
+        _check(self.batching in BATCHING_MODES, "batching", "one of " + ", ".join(BATCHING_MODES),
+               self.batching)
+        _check(self.schedule_interval >= 1, "schedule_interval", ">= 1 steps",
+               self.schedule_interval)
+        _check(self.max_queue_delay_ms >= 0, "max_queue_delay_ms", ">= 0 ms",
+               self.max_queue_delay_ms)
 
 
 @dataclass(frozen=True)
@@ -120,21 +163,65 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The WebSocket/HTTP front end.
+    """The WebSocket/HTTP front end: where it listens, its limits and who may use it.
 
     host, port: where to listen (127.0.0.1 unless told otherwise; port 0 = any free port).
     max_message_bytes: largest accepted frame; bigger ones close the socket with 1009.
+    max_connections: open WebSockets; one more is closed right after its handshake with
+        1013 ("try again later"), which browsers can read (an HTTP 503 reaches a page's
+        WebSocket only as a bare 1006).
     max_requests_per_connection: requests in flight per socket (`too_many_requests`).
+    max_outbox_bytes: how far (estimated bytes of unsent frames) a slow reader may fall
+        behind before it is closed with 1008 and its requests cancelled.
+    write_limit_bytes: high-water mark of a socket's transport write buffer; above it the
+        writer waits, so a slow reader's backlog collects (and merges) in its outbox.
+    api_key: required from clients of every route but /health (Bearer header or `api_key`
+        query parameter); None = open. Never shown by repr().
+    allowed_origins: origins (scheme://host[:port]) whose browser pages may connect;
+        empty = any. Requests without an Origin header (non-browser clients) pass.
+    shutdown_timeout: seconds a graceful shutdown waits for requests in flight before
+        cancelling them.
+    close_timeout: seconds a socket gets to finish its closing handshake before its TCP
+        connection is dropped.
+    ping_interval, ping_timeout: WebSocket keepalive, seconds; a peer that vanished
+        without a FIN is dropped (and its requests cancelled) after about their sum.
     """
 
     host: str = "127.0.0.1"
     port: int = 8765
     max_message_bytes: int = 1 << 20
+    max_connections: int = 1024
     max_requests_per_connection: int = 64
+    max_outbox_bytes: int = 1 << 20
+    write_limit_bytes: int = 1 << 15
+    api_key: str | None = field(default=None, repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 20.0
+    close_timeout: float = 5.0
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
         _check(self.max_message_bytes >= 1024, "max_message_bytes", ">= 1024 bytes",
                self.max_message_bytes)
+        _check(self.max_connections >= 1, "max_connections", ">= 1", self.max_connections)
         _check(self.max_requests_per_connection >= 1, "max_requests_per_connection", ">= 1",
                self.max_requests_per_connection)
+        _check(self.max_outbox_bytes >= 1024, "max_outbox_bytes", ">= 1024 bytes",
+               self.max_outbox_bytes)
+        _check(self.write_limit_bytes >= 1024, "write_limit_bytes", ">= 1024 bytes",
+               self.write_limit_bytes)
+        key = self.api_key
+        _check(key is None or (0 < len(key) <= 512 and key.isprintable() and " " not in key),
+               "api_key", "1 to 512 printable characters without spaces",
+               None if key is None else "<hidden>")
+        from service.auth import normalize_origin  # the rule lives beside its use
+
+        for origin in self.allowed_origins:
+            normalize_origin(origin)  # raises ValueError naming the bad origin
+        _check(self.shutdown_timeout >= 0, "shutdown_timeout", ">= 0 seconds",
+               self.shutdown_timeout)
+        _check(self.close_timeout > 0, "close_timeout", "> 0 seconds", self.close_timeout)
+        _check(self.ping_interval > 0, "ping_interval", "> 0 seconds", self.ping_interval)
+        _check(self.ping_timeout > 0, "ping_timeout", "> 0 seconds", self.ping_timeout)

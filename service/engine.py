@@ -89,6 +89,7 @@ class Engine:
         self._mean_e2e_s: float | None = None
         self._fault_steps = 0
         self.metrics: EngineMetrics | None = None
+        self._held: list[tuple[Sink, Done]] = []  # static/dynamic batching: dones of the batch
 
     # ---- life cycle --------------------------------------------------------------
     async def start(self) -> Engine:
@@ -311,8 +312,17 @@ class Engine:
                 continue
             out = sched.schedule()
             if out.is_empty:
-                log.warning("empty_step", waiting=len(sched.waiting))
-                await asyncio.sleep(0.005)
+                # nothing can run before new input, or before a dynamic batch is due
+                due = sched.idle_until()
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                if due is None and not sched.running:
+                    log.warning("empty_step", waiting=len(sched.waiting))
+                    timeout = 0.005
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             execute = self.runner.execute
             if self._fault_steps > 0:
@@ -329,6 +339,7 @@ class Engine:
                 self.metrics.iteration_tokens.observe(out.num_batched_tokens)
             for req in sched.update_from_output(out, sampled):
                 self._emit_token(req)
+            self._release_held()
 
     def _admit(self) -> None:
         while not self._inbox.empty():
@@ -341,6 +352,7 @@ class Engine:
         for rid in list(self._aborts):
             self._finish(rid, "cancelled")
         self._aborts.clear()
+        self._release_held()
 
     def _emit_token(self, req: Request) -> None:
         live = self._live[req.request_id]
@@ -408,5 +420,16 @@ class Engine:
                  cached_tokens=usage.cached_tokens, queue_ms=timings.queue_ms,
                  ttft_ms=timings.ttft_ms, tpot_ms=timings.tpot_ms, e2e_ms=timings.e2e_ms,
                  preemptions=timings.preemptions)
-        live.sink(Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
-                       usage=usage, timings=timings))
+        done = Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
+                    usage=usage, timings=timings)
+        if reason in ("stop", "length") and self.scheduler.batch_in_flight:
+            self._held.append((live.sink, done))  # static batching: sent when the batch ends
+        else:
+            live.sink(done)
+
+    def _release_held(self) -> None:
+        """Static/dynamic batching: send the batch's dones once all its members finished."""
+        if self._held and not self.scheduler.batch_in_flight:
+            held, self._held = self._held, []
+            for sink, done in held:
+                sink(done)

@@ -28,11 +28,12 @@ when it is alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.block_pool import KVBlockPool
 from service.config import CacheConfig, SchedulerConfig
-from service.policy import FCFSPolicy, make_policy
+from service.policy import Policy, make_policy
 from service.request import Request, RequestStatus
 from service.scheduler_output import ScheduledSequence, SchedulerOutput
 from service.swap_space import SwapSpace
@@ -67,6 +68,7 @@ class _Step:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
+    short_of_blocks: bool = False  # a preemption freed blocks: admit nothing new this step
 
 
 class Scheduler:
@@ -79,18 +81,24 @@ class Scheduler:
         cache: watermarks (kv_watermark_high / low / critical).
         swap: CPU swap space; None disables swapping.
         cost: measured rates for preemption_mode "auto" (recompute when None).
+        clock: seconds, monotonic (tests pass a fake one).
     """
 
     def __init__(self, config: SchedulerConfig, pool: KVBlockPool, max_model_len: int, *,
                  cache: CacheConfig | None = None, swap: SwapSpace | None = None,
-                 cost: PreemptionCost | None = None) -> None:
+                 cost: PreemptionCost | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.pool = pool
         self.max_model_len = max_model_len
         self.cache = cache or CacheConfig()
         self.swap = swap
         self.cost = cost
-        self.policy: FCFSPolicy = make_policy(config.scheduling_policy)
+        self.clock = clock
+        self.policy: Policy = make_policy(config.scheduling_policy, config.policy,
+                                          cost.prefill_tokens_per_s if cost else None)
+        self.batch: set[str] = set()  # static/dynamic batching: the batch in flight
+        self.num_schedule_calls = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -130,7 +138,22 @@ class Scheduler:
             req.cpu_block_ids = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.batch.discard(request_id)
+        self.policy.on_finish(req)
         return req
+
+    @property
+    def batch_in_flight(self) -> bool:
+        """Static/dynamic batching: True while members of the current batch are unfinished."""
+        return bool(self.batch)
+
+    def idle_until(self) -> float | None:
+        """When an empty step could turn non-empty without new input (a dynamic batch's
+        queue delay running out), in clock seconds; None when only new input can."""
+        if self.config.batching != "dynamic" or self.batch or not self.waiting:
+            return None
+        oldest = min(r.arrival_time for r in self.waiting)
+        return oldest + self.config.max_queue_delay_ms / 1000.0
 
     # ---- one step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -143,23 +166,69 @@ class Scheduler:
         are one code path. Decodes are served before prefill chunks so that a long
         prompt never stalls the streams already running.
         """
-        now = time.monotonic()
+        now = self.clock()
         st = _Step(self.config.max_num_batched_tokens, [], set(), [], [], [], [])
         self._relieve_critical(st, now)
+        self._preempt_for_priority(st, now)
         self._schedule_running(st, now)
         usage = self.pool.usage
         if usage >= self.cache.kv_watermark_high:
             self.admitting = False
         elif usage < self.cache.kv_watermark_low:
             self.admitting = True
-        if not st.preempted:
-            self._schedule_waiting(st, now)
+        if not st.short_of_blocks:
+            candidates = self._admission_candidates(now)
+            if candidates:
+                self._schedule_waiting(candidates, st, now)
+        self.num_schedule_calls += 1
         return SchedulerOutput(st.sequences, self.config.max_num_batched_tokens - st.budget,
                                st.preempted, st.swap_out, st.swap_in, st.copies)
 
     def _relieve_critical(self, st: _Step, now: float) -> None:
         while self.pool.usage > self.cache.kv_watermark_critical and len(self.running) > 1:
             self._preempt(self._pick_victim(st, now), st)
+            st.short_of_blocks = True
+
+    def _admission_candidates(self, now: float) -> list[Request]:
+        """Waiting requests that may start this step, in the policy's order.
+
+        continuous: all of them, every `schedule_interval` steps (and whenever nothing
+        runs). static: a batch of up to max_num_seqs forms when the previous batch has
+        finished; only its members start. dynamic: like static, but the batch forms only
+        once max_num_seqs requests wait or the oldest has waited max_queue_delay_ms.
+        """
+        if not self.waiting:
+            return []
+        order = sorted(self.waiting, key=lambda r: self.policy.waiting_key(r, now))
+        mode = self.config.batching
+        if mode == "continuous":
+            if self.running and self.num_schedule_calls % self.config.schedule_interval:
+                return []
+            return order
+        if not self.batch:
+            due = self.idle_until()
+            if mode == "dynamic" and len(self.waiting) < self.config.max_num_seqs \
+                    and due is not None and now < due:
+                return []
+            self.batch = {r.request_id for r in order[:self.config.max_num_seqs]}
+        return [r for r in order if r.request_id in self.batch]
+
+    def _preempt_for_priority(self, st: _Step, now: float) -> None:
+        """Preemptive policies: while the best waiting request finds no room (sequence cap
+        or blocks) and outranks the worst running one, that one is preempted."""
+        if not self.waiting or not self.running or self.config.batching != "continuous":
+            return
+        best = min(self.waiting, key=lambda r: self.policy.waiting_key(r, now))
+        first_chunk = min(best.num_tokens, self.config.max_num_batched_tokens)
+        while self.running:
+            room = len(self.running) < self.config.max_num_seqs and \
+                self.pool.can_allocate(self.pool.blocks_needed(first_chunk))
+            if room:
+                return
+            victim = max(self.running, key=lambda r: self.policy.victim_key(r, now))
+            if not self.policy.outranks(best, victim, now):
+                return
+            self._preempt(victim, st)
 
     def _schedule_running(self, st: _Step, now: float) -> None:
         def remaining(r: Request) -> int:
@@ -174,15 +243,13 @@ class Scheduler:
             while not self._allocate(req, n, st):
                 victim = self._pick_victim(st, now)
                 self._preempt(victim, st)
+                st.short_of_blocks = True
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
                 self._emit(req, n, st)
 
-    def _schedule_waiting(self, st: _Step, now: float) -> None:
-        # preempted requests first, then by the policy's order
-        order = sorted(self.waiting, key=lambda r: (r.status is RequestStatus.WAITING,
-                                                    self.policy.waiting_key(r, now)))
+    def _schedule_waiting(self, order: list[Request], st: _Step, now: float) -> None:
         for req in order:
             if st.budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return

@@ -14,6 +14,7 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   enable_prefix_caching: bool = True, attention_backend: str = "auto",
                   max_waiting_requests: int = 1024, preemption_mode: str = "auto",
                   swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
+                  scheduling_policy: str = "fcfs", batching: str = "continuous",
                   ) -> EngineConfig:
     from service.config import ModelConfig
 
@@ -26,7 +27,8 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_waiting_requests=max_waiting_requests,
-                                  preemption_mode=preemption_mode),
+                                  preemption_mode=preemption_mode,
+                                  scheduling_policy=scheduling_policy, batching=batching),
     )
 
 
