@@ -231,15 +231,16 @@ class Scheduler:
             self._preempt(victim, st)
 
     def _schedule_running(self, st: _Step, now: float) -> None:
-        def remaining(r: Request) -> int:
-            return r.num_tokens - r.num_computed_tokens
-
-        for req in sorted(self.running, key=lambda r: remaining(r) > 1):  # decodes first
+        decodes, chunks = [], []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else chunks).append(r)
+        for req in decodes + chunks:  # decodes first
             if st.budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(remaining(req), st.budget)
+            n = min(len(req.prompt_token_ids) + len(req.output_token_ids)
+                    - req.num_computed_tokens, st.budget)
             while not self._allocate(req, n, st):
                 victim = self._pick_victim(st, now)
                 self._preempt(victim, st)
@@ -326,7 +327,8 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += len(seq.token_ids)
-            self._cache_full_blocks(req)
+            if req.num_computed_tokens // self.pool.block_size > req.num_registered_blocks:
+                self._cache_full_blocks(req)
             token = sampled.get(seq.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
@@ -336,15 +338,15 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------
     def _emit(self, req: Request, n: int, st: _Step) -> None:
         start = req.num_computed_tokens
-        st.sequences.append(ScheduledSequence(
-            request_id=req.request_id,
-            token_ids=req.token_slice(start, start + n),
-            num_computed_tokens=start,
-            block_table=list(req.block_ids),
-            sample=start + n == req.num_tokens,
-            params=req.params,
-            generator=req.generator,
-        ))
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if n == 1 and start + 1 == num_tokens:  # a decode: its last sampled token
+            token_ids = [req.output_token_ids[-1] if req.output_token_ids
+                         else req.prompt_token_ids[-1]]
+        else:
+            token_ids = req.token_slice(start, start + n)
+        # positional: this runs for every sequence of every step
+        st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
+                                              start + n == num_tokens, req.params, req.generator))
         st.scheduled.add(req.request_id)
         st.budget -= n
 
@@ -359,7 +361,7 @@ class Scheduler:
         bs = self.pool.block_size
         start = req.num_computed_tokens
         cow = start % bs != 0 and self.pool.blocks[req.block_ids[start // bs]].ref_cnt > 1
-        need = self.pool.blocks_needed(start + n) - len(req.block_ids) + cow
+        need = -(-(start + n) // bs) - len(req.block_ids) + cow
         if need <= 0:
             return True
         blocks = self.pool.allocate(need)

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from protocol import SamplingParams
 
 
-@dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence's share of a step.
+class ScheduledSequence(NamedTuple):
+    """One sequence's share of a step (a NamedTuple: built for every sequence every step).
 
     token_ids: the tokens whose K/V this step computes, [n] (a prefill chunk, or 1 for a decode).
     num_computed_tokens: tokens of this sequence already in the KV cache before them.
-    block_table: the sequence's KV block ids, covering num_computed_tokens + n tokens.
+    block_table: the sequence's KV block ids, covering num_computed_tokens + n tokens (the
+        request's own list: read it, never change it; valid until the next schedule()).
     sample: True when this chunk reaches the sequence's last token, so a new token is sampled.
     """
 
