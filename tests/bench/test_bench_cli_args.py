@@ -1,0 +1,89 @@
+"""Load plans, --compare specs, engine flags forwarded to `conveyor serve`, CLI argument errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.bench.cli import build_parser, main
+from service.bench.compare import CompareSpec
+from service.bench.engine_args import serve_args
+from service.bench.plan import LoadPlan, auto_connections
+from service.bench.request_spec import RequestSpec
+from service.cli import build_parser as serve_parser
+
+SPEC = RequestSpec(7, (1, 2, 3), 4)
+
+
+def test_load_plan():
+    plan = LoadPlan((SPEC,), (0.0,), temperature=0.7, seed=100)
+    assert plan.params(SPEC) == {"max_tokens": 4, "temperature": 0.7, "ignore_eos": True,
+                                 "seed": 107}
+    assert "seed" not in LoadPlan((SPEC,), (0.0,)).params(SPEC)
+    for bad in ({"arrivals": (0.0, 1.0)}, {"max_concurrency": 0}, {"connections": 0},
+                {"temperature": -1.0}, {"timeout_s": 0.0}, {"warmup": -1}):
+        with pytest.raises(ValueError):
+            LoadPlan(**{"requests": (SPEC,), "arrivals": (0.0,), **bad})
+    with pytest.raises(ValueError, match="non-decreasing"):
+        LoadPlan((SPEC, RequestSpec(8, (1,), 1)), (1.0, 0.5))
+
+
+def test_auto_connections():
+    assert auto_connections(10, None) == 1
+    assert auto_connections(64, None) == 1
+    assert auto_connections(200, None) == 4
+    assert auto_connections(200, 16) == 1
+    assert auto_connections(200, 65) == 2
+
+
+def test_compare_spec_flags_are_accepted_by_conveyor_serve():
+    caching = CompareSpec.parse("enable_prefix_caching=true,false")
+    assert caching.values == ("true", "false")
+    assert caching.serve_args("true") == ["--enable-prefix-caching"]
+    assert caching.serve_args("false") == ["--no-enable-prefix-caching"]
+    seqs = CompareSpec.parse("max-num-seqs=4,8")
+    assert seqs.name == "max_num_seqs" and seqs.serve_args("8") == ["--max-num-seqs", "8"]
+    assert seqs.label("4") == "max_num_seqs=4"
+    parse = serve_parser().parse_args
+    assert parse(["serve", *caching.serve_args("false")]).enable_prefix_caching is False
+    assert parse(["serve", *caching.serve_args("true")]).enable_prefix_caching is True
+    assert parse(["serve", "--max-num-seqs", "2", *seqs.serve_args("8")]).max_num_seqs == 8
+    assert CompareSpec.parse("batching=static,dynamic,continuous").serve_args("static") == [
+        "--batching", "static"]
+
+
+@pytest.mark.parametrize("text", ["max_num_seqs", "=4,8", "max_num_seqs=4,,8",
+                                  "max_num_seqs=4,4", "bad name=1"])
+def test_compare_spec_errors(text):
+    with pytest.raises(ValueError):
+        CompareSpec.parse(text)
+
+
+def test_engine_options_round_trip_to_conveyor_serve():
+    ns = build_parser().parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching",
+                                    "--kv-cache-memory", "512MiB", "--workload", "medium"])
+    args = serve_args(ns)
+    assert ["--kv-cache-memory", str(512 << 20)] == args[args.index("--kv-cache-memory"):][:2]
+    assert "--no-enable-prefix-caching" in args and "--workload" not in args
+    served = serve_parser().parse_args(["serve", *args])
+    assert served.max_num_seqs == 8
+    assert served.enable_prefix_caching is False
+    assert served.kv_cache_memory == 512 << 20
+    assert serve_args(build_parser().parse_args([])) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["--url", "ws://127.0.0.1:1/v1/stream", "--compare", "max_num_seqs=4,8"],
+    ["--no-server"],
+    ["--no-server", "--peer", "hf-static", "--url", "ws://127.0.0.1:1/v1/stream"],
+    ["--slo", "ttft=-1"],
+    ["--compare", "max_num_seqs"],
+    ["--compare", "no_such_engine_option=1,2"],
+    ["--compare", "max_num_seqs=4,many"],
+    ["--request-rate", "0"],
+    ["--scale", "-1"],
+    ["--max-concurrency", "0"],
+    ["--json", "/nonexistent/folder/out.json"],
+])
+def test_cli_rejects_bad_combinations_before_any_work(argv, capsys):
+    assert main(argv) == 2
+    assert "conveyor bench:" in capsys.readouterr().err
