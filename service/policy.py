@@ -232,14 +232,10 @@ class DeadlinePolicy:
     def waiting_key(self, req: Request, now: float) -> tuple:
         return (self.slack_s(req, now), req.arrival_time)
 
-    def victim_key(self, req: Request, now: float) -> tuple:
-        return (req.arrival_time,)
-
-    def outranks(self, waiting: Request, running: Request, now: float) -> bool:
-        return False
-
-    def on_finish(self, req: Request) -> None:
-        pass
+    # running requests met their TTFT already: preempt the newest, as FCFS does
+    victim_key = FCFSPolicy.victim_key
+    outranks = FCFSPolicy.outranks
+    on_finish = FCFSPolicy.on_finish
 
 
 Policy = FCFSPolicy | PriorityPolicy | SJFPolicy | MLFQPolicy | DeadlinePolicy
