@@ -1,8 +1,11 @@
 """Connection actor: one per WebSocket. Decodes frames, hands requests to the engine,
-writes each request's events to the socket through its Outbox.
+writes each request's events to the socket through its bounded Outbox.
 
 A bad frame gets an `error` (`invalid_request`) and the socket stays open. Closing
-the socket, cleanly or not, cancels every request of the connection.
+the socket, cleanly or not (no close frame, a reset, a keepalive timeout), cancels
+every request of the connection at once: the engine frees their KV blocks before
+its next step. A reader that falls more than `max_outbox_bytes` behind is closed
+with 1008 (policy violation) and its requests are cancelled the same way.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ import itertools
 import time
 
 import structlog
-
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
-                      Ping, Pong, ProtocolError, TooManyRequests, decode_client_frame)
+                      InternalError, Ping, Pong, ProtocolError, TooManyRequests,
+                      decode_client_frame)
 from service.config import ServerConfig
 from service.engine import Engine
 from service.outbox import Outbox
@@ -25,6 +28,9 @@ from service.request_stream import Event
 
 log = structlog.get_logger(__name__)
 _conn_ids = itertools.count(1)
+
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_GOING_AWAY = 1001
 
 
 class Connection:
@@ -39,13 +45,15 @@ class Connection:
         self.engine = engine
         self.config = config
         self.conn_id = f"c{next(_conn_ids)}"
-        self.outbox = Outbox()
+        self.outbox = Outbox(config.max_outbox_bytes, on_overflow=self._on_overflow)
         self.in_flight: set[str] = set()
+        self._closing: asyncio.Task[None] | None = None
 
     def _key(self, client_id: str) -> str:
         return f"{self.conn_id}/{client_id}"
 
     async def run(self) -> None:
+        """Serve frames until the socket closes; then cancel what is left and return."""
         metrics = self.engine.metrics
         if metrics is not None:
             metrics.connections.inc()
@@ -56,7 +64,9 @@ class Connection:
         finally:
             if metrics is not None:
                 metrics.connections.dec()
-            log.info("connection_closed", connection_id=self.conn_id)
+            code = self.ws.close_code
+            log.info("connection_closed", connection_id=self.conn_id,
+                     close_code=1006 if code is None else int(code))
 
     async def _serve(self) -> None:
         send = lambda data: self.ws.send(data, text=True)  # noqa: E731
@@ -65,16 +75,50 @@ class Connection:
                               max_model_len=self.engine.max_model_len))
         try:
             async for frame in self.ws:
+                if self._closing is not None:
+                    continue  # being closed: read on only to see the peer's close frame
                 self._on_frame(frame, time.monotonic())
-                if writer.done():
-                    break
         except ConnectionClosed:
             pass
         finally:
-            for client_id in list(self.in_flight):
-                self.engine.abort(self._key(client_id))
+            self.abort_all()
+            self.outbox.close()
             writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            tasks = [writer] + ([self._closing] if self._closing is not None else [])
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def abort_all(self) -> None:
+        """Cancel every request of this connection (each still gets its Done)."""
+        for client_id in list(self.in_flight):
+            self.engine.abort(self._key(client_id))
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close the socket with `code`; drop the TCP connection if the peer does not finish
+        the closing handshake within `close_timeout` seconds (e.g. it stopped reading)."""
+        try:
+            await asyncio.wait_for(self.ws.close(code, reason), self.config.close_timeout)
+        except TimeoutError:
+            log.warning("close_timed_out", connection_id=self.conn_id, close_code=code)
+            self.ws.transport.abort()
+
+    async def shutdown(self) -> None:
+        """Graceful end: send what is queued (within `close_timeout`), then close with 1001."""
+        if not await self.outbox.drain(self.config.close_timeout):
+            log.warning("outbox_not_drained", connection_id=self.conn_id,
+                        pending_bytes=self.outbox.pending_bytes)
+        await self.close(CLOSE_GOING_AWAY, "server shutting down")
+
+    def _on_overflow(self) -> None:
+        """The reader fell too far behind (called inside an engine sink: must not block)."""
+        log.warning("slow_reader_disconnected", connection_id=self.conn_id,
+                    max_outbox_bytes=self.config.max_outbox_bytes,
+                    requests_cancelled=len(self.in_flight))
+        self.abort_all()
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(
+                self.close(CLOSE_POLICY_VIOLATION,
+                           f"too slow: more than {self.config.max_outbox_bytes} bytes unread"),
+                name=f"{self.conn_id}-close")
 
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         try:
@@ -90,7 +134,6 @@ class Connection:
             self.outbox.put(e.to_frame())
         except Exception:
             log.exception("frame_failed", connection_id=self.conn_id)
-            from protocol import InternalError
             self.outbox.put(InternalError("the server failed to handle this frame").to_frame())
 
     def _generate(self, msg: Generate, received: float) -> None:

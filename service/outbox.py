@@ -1,59 +1,139 @@
-"""A connection's bounded-latency outbox: the engine never waits for a socket.
+"""A connection's bounded outbox: the engine never waits for a socket.
 
-Events are queued without blocking; one writer task sends them in order. While
-the socket is slow, a request's newer delta is merged into its delta that is
-still waiting to be sent (text and token ids appended), so a slow reader gets
-fewer, larger frames and loses nothing.
+Events are queued without blocking; one writer task sends them in order. While the
+socket is slow (its transport buffer above websockets' `write_limit`, so `send`
+waits), a request's newer delta is merged into its delta still waiting to be sent
+(text and token ids appended): a slow reader gets fewer, larger frames and loses
+nothing. A reader that falls more than `max_bytes` behind overflows the outbox: it
+drops everything queued, refuses further frames, and calls `on_overflow` once (the
+connection then closes the socket with 1008 and cancels its requests).
+
+    queue:  [accepted r1] [delta r1 "The cat"] [pong] [delta r2 "Hi"] ...
+                              ^ a new delta of r1 is appended here while it waits
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from protocol import Delta, encode
 
+DELTA_OVERHEAD_BYTES = 64
+"""Estimated JSON bytes of a delta frame besides its text and token ids."""
+TOKEN_ID_BYTES = 8
+"""Estimated JSON bytes per token id (up to 6 digits and a comma)."""
+
+
+def _delta_bytes(text: str, token_ids: list[int]) -> int:
+    return len(text.encode("utf-8", "surrogatepass")) + TOKEN_ID_BYTES * len(token_ids)
+
 
 class Outbox:
     """Pending frames of one connection, merged per request while they wait.
 
-    `pending_bytes` is an estimate of the bytes waiting (text + 8 per token id).
+    Args:
+        max_bytes: overflow once `pending_bytes` exceeds this; None = unbounded.
+        on_overflow: called once, synchronously, when the outbox overflows.
+
+    `pending_bytes` estimates the bytes not yet handed to the socket: encoded frames
+    exactly, deltas as their UTF-8 text + 8 per token id + 64 per queued frame.
     """
 
-    def __init__(self) -> None:
-        self._queue: deque[msgspec.Struct] = deque()
+    def __init__(self, max_bytes: int | None = None,
+                 on_overflow: Callable[[], None] | None = None) -> None:
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._on_overflow = on_overflow
+        self._queue: deque[Delta | bytes] = deque()
         self._unsent_delta: dict[str, Delta] = {}
         self._ready = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._empty.set()
         self.pending_bytes = 0
+        self.merged_deltas = 0
+        self.overflowed = False
+        self.closed = False
 
     def put(self, msg: msgspec.Struct) -> None:
-        """Queue a frame (never blocks). A Delta merges into an unsent delta of its request."""
+        """Queue a frame (never blocks). A Delta merges into an unsent delta of its request.
+
+        After `close()` or an overflow, frames are dropped silently.
+        """
+        if self.closed:
+            return
         if isinstance(msg, Delta):
+            size = _delta_bytes(msg.text, msg.token_ids)
             waiting = self._unsent_delta.get(msg.id)
-            self.pending_bytes += len(msg.text) + 8 * len(msg.token_ids)
             if waiting is not None:
                 waiting.text += msg.text
                 waiting.token_ids.extend(msg.token_ids)
+                self.merged_deltas += 1
+                self._grow(size)
                 return
+            msg = Delta(id=msg.id, index=msg.index, text=msg.text, token_ids=list(msg.token_ids))
             self._unsent_delta[msg.id] = msg
+            self._queue.append(msg)
+            self._grow(size + DELTA_OVERHEAD_BYTES)
         else:
             req_id = getattr(msg, "id", None)
             if req_id is not None:
                 self._unsent_delta.pop(req_id, None)  # later deltas must not jump ahead of it
-        self._queue.append(msg)
-        self._ready.set()
+            data = encode(msg)
+            self._queue.append(data)
+            self._grow(len(data))
+        if not self.closed:
+            self._empty.clear()
+            self._ready.set()
 
-    async def run(self, send) -> None:
-        """Send frames forever with `await send(data: bytes)`; cancel the task to stop."""
-        while True:
-            while not self._queue:
+    def _grow(self, n: int) -> None:
+        self.pending_bytes += n
+        if self.max_bytes is not None and self.pending_bytes > self.max_bytes:
+            self.overflowed = True
+            self.close()
+            if self._on_overflow is not None:
+                self._on_overflow()
+
+    def close(self) -> None:
+        """Drop every queued frame and refuse new ones. Idempotent."""
+        self.closed = True
+        self._queue.clear()
+        self._unsent_delta.clear()
+        self.pending_bytes = 0
+        self._empty.set()
+        self._ready.set()  # wake the writer so that it returns
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until every queued frame was handed to the socket; False after `timeout` s."""
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def run(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """Send frames in order with `await send(data)` until `close()`; cancel to stop.
+
+        Exceptions of `send` (e.g. websockets' ConnectionClosed) propagate.
+        """
+        while not self.closed:
+            if not self._queue:
+                self._empty.set()
                 self._ready.clear()
                 await self._ready.wait()
-            msg = self._queue.popleft()
-            if isinstance(msg, Delta):
-                if self._unsent_delta.get(msg.id) is msg:
-                    del self._unsent_delta[msg.id]
-                self.pending_bytes -= len(msg.text) + 8 * len(msg.token_ids)
-            await send(encode(msg))
+                continue
+            item = self._queue.popleft()
+            if isinstance(item, Delta):
+                if self._unsent_delta.get(item.id) is item:
+                    del self._unsent_delta[item.id]
+                self.pending_bytes -= _delta_bytes(item.text, item.token_ids) \
+                    + DELTA_OVERHEAD_BYTES
+                data = encode(item)
+            else:
+                self.pending_bytes -= len(item)
+                data = item
+            await send(data)
