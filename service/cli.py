@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="kernels: auto = Triton on CUDA, torch elsewhere")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
+    m.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="int8: linear layers in int8 (torch's dynamic quantization, fbgemm; "
+                        "CPU, float32 only); none: dense weights, the default")
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
                    help="tokens per KV block")
@@ -91,7 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
-                          attention_backend=a.attention_backend, max_model_len=a.max_model_len),
+                          attention_backend=a.attention_backend, max_model_len=a.max_model_len,
+                          quantization=None if a.quantization == "none" else a.quantization),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,
                           enable_prefix_caching=a.enable_prefix_caching,
@@ -178,7 +182,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=a.shutdown_timeout)
 
 
-def _on_signals(stop: asyncio.Event, force: asyncio.Event) -> None:
+def on_shutdown_signals(stop: asyncio.Event, force: asyncio.Event) -> None:
     """SIGTERM/SIGINT: the first sets `stop` (graceful drain), a second sets `force`."""
     loop = asyncio.get_running_loop()
 
@@ -201,7 +205,7 @@ async def _serve(a: argparse.Namespace) -> None:
     net = server_config(a)
     cfg = engine_config(a)
     stop, force = asyncio.Event(), asyncio.Event()
-    _on_signals(stop, force)
+    on_shutdown_signals(stop, force)
     print(f"conveyor: loading {a.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
     async with Engine(cfg) as engine:
         if stop.is_set():  # signalled while loading

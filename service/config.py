@@ -28,6 +28,8 @@ class ModelConfig:
     device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
     attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
+    quantization: None (dense weights, the default and the correctness oracle) or "int8"
+        (linear layers in int8 with torch's fbgemm kernels; CPU, dtype float32).
     """
 
     model: str | None = None
@@ -35,6 +37,7 @@ class ModelConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     max_model_len: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -45,6 +48,11 @@ class ModelConfig:
                "one of auto, triton, torch", self.attention_backend)
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                ">= 1 tokens", self.max_model_len)
+        _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
+               self.quantization)
+        _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
+               "quantization", 'None unless dtype is "float32" and device "cpu"',
+               self.quantization)
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,10 @@ class ServerConfig:
         behind before it is closed with 1008 and its requests cancelled.
     write_limit_bytes: high-water mark of a socket's transport write buffer; above it the
         writer waits, so a slow reader's backlog collects (and merges) in its outbox.
+    socket_send_buffer_bytes: SO_SNDBUF of each accepted socket; None = the kernel's
+        autotuning (Linux lets it grow to tcp_wmem's maximum, 4 MiB, per socket). A token
+        stream needs little, and a small buffer makes a slow reader's backlog show up
+        sooner in the outbox (merged, and counted against max_outbox_bytes).
     api_key: required from clients of every route but /health (Bearer header or `api_key`
         query parameter); None = open. Never shown by repr().
     allowed_origins: origins (scheme://host[:port]) whose browser pages may connect;
@@ -194,6 +206,7 @@ class ServerConfig:
     max_requests_per_connection: int = 64
     max_outbox_bytes: int = 1 << 20
     write_limit_bytes: int = 1 << 15
+    socket_send_buffer_bytes: int | None = None
     api_key: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 20.0
@@ -212,6 +225,8 @@ class ServerConfig:
                self.max_outbox_bytes)
         _check(self.write_limit_bytes >= 1024, "write_limit_bytes", ">= 1024 bytes",
                self.write_limit_bytes)
+        _check(self.socket_send_buffer_bytes is None or self.socket_send_buffer_bytes >= 1024,
+               "socket_send_buffer_bytes", ">= 1024 bytes or None", self.socket_send_buffer_bytes)
         key = self.api_key
         _check(key is None or (0 < len(key) <= 512 and key.isprintable() and " " not in key),
                "api_key", "1 to 512 printable characters without spaces",

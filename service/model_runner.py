@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import logging
 import os
+from itertools import chain
 
 import torch
 
+from protocol import SamplingParams
 from kernels import plan_attention_work, select_ops
+from kernels.paged_attention_cpu import plan_cpu_attention
 from service.config import EngineConfig
 from service.loader import LoadedModel, load_model
-from service.model import AttentionMetadata, LlamaModel
+from service.model import AttentionMetadata, LlamaModel, SectionTimer
+from service.quantization import calibration_token_ids
 from service.sampler import build_sampling_tensors, sample
-from service.scheduler_output import SchedulerOutput
+from service.scheduler_output import ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +51,15 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
         if self.device.type == "cpu":
+            # One intra-op thread per core this process may use. Call from the thread
+            # that runs the steps: OpenMP's thread count is per calling thread.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
         self.loaded = loaded or load_model(mc.model, self.dtype)
         self.ops = select_ops(mc.attention_backend, self.device)
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
+        # Benchmarks set a SectionTimer here to split execute() into build_batch,
+        # linear, attention, other and sample; None (the default) costs nothing.
+        self.timer: SectionTimer | None = None
         self.tokenizer = self.loaded.tokenizer
         self.block_size = cc.block_size
         model_len = self.model.max_position
@@ -61,7 +70,11 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
+        self._kv_bytes_per_layer_token = self.model.kv_bytes_per_token(self.dtype) // \
+            self.model.num_layers
         self.kv_bytes_per_block = per_block
+        if mc.quantization == "int8":
+            self._quantize_int8()
         # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
@@ -74,43 +87,58 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
-        """(input_ids [T], positions [T], metadata, logits_indices [S]) for one step."""
+        """(input_ids [T], positions [T], metadata, logits_indices [S]) for one step.
+
+        Built from flat Python lists with vectorised index math: no per-token loop, and
+        the only per-sequence work is reading each sequence's fields once.
+        """
         seqs = out.sequences
         B = len(seqs)
         bs = self.block_size
-        ids: list[int] = []
-        for s in seqs:
-            ids.extend(s.token_ids)
-        n = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int64)
-        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int64)
+        q_lens = [len(s.token_ids) for s in seqs]
+        computed_list = [s.num_computed_tokens for s in seqs]
+        table_lens = [len(s.block_table) for s in seqs]
+        ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
+        T = ids.shape[0]
+        n = torch.tensor(q_lens, dtype=torch.int64)
+        computed = torch.tensor(computed_list, dtype=torch.int64)
         # E.g. n = [3, 1], computed = [0, 7] -> cu_q = [0, 3, 4], seq_lens = [3, 8]
         cu_q = torch.zeros(B + 1, dtype=torch.int64)
         torch.cumsum(n, 0, out=cu_q[1:])
         seq_lens = computed + n
-        T = int(cu_q[-1])
-        # E.g. seq_idx = [0, 0, 0, 1]; positions = [0, 1, 2, 7]
-        seq_idx = torch.repeat_interleave(torch.arange(B), n)
-        positions = computed[seq_idx] + torch.arange(T) - cu_q[:-1][seq_idx]
-        max_blocks = max(len(s.block_table) for s in seqs)
+        # Block tables, row b = sequence b's blocks then zeros, filled in one masked write.
+        # E.g. tables [[5, 2], [7]] -> [[5, 2], [7, 0]]
+        max_blocks = max(table_lens)
         table = torch.zeros(B, max_blocks, dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        filled = torch.arange(max_blocks)[None, :] < torch.tensor(table_lens)[:, None]
+        table[filled] = torch.tensor(list(chain.from_iterable(s.block_table for s in seqs)),
+                                     dtype=torch.int64)
+        if T == B:  # decodes only: token i is sequence i's token at position computed[i]
+            seq_idx = torch.arange(B)
+            positions = computed
+        else:
+            # E.g. seq_idx = [0, 0, 0, 1]; positions = [0, 1, 2, 7]
+            seq_idx = torch.repeat_interleave(torch.arange(B), n)
+            positions = torch.arange(T) + (computed - cu_q[:-1])[seq_idx]
         # E.g. block_size 4, position 7 of a sequence with blocks [5, 2] -> slot 2 * 4 + 3 = 11
         slots = table[seq_idx, positions // bs] * bs + positions % bs
         # E.g. sample = [True, True] -> logits rows [2, 3] (each sampling sequence's last token)
         sample_mask = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
         logits_indices = cu_q[1:][sample_mask] - 1
         dev = self.device
+        torch_path = self.ops.name == "torch"
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_tables=table.to(dev, torch.int32),
             seq_lens=seq_lens.to(dev, torch.int32),
             cu_seqlens_q=cu_q.to(dev, torch.int32),
-            work=(plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)
-                  if self.ops.name == "triton" else None),
+            work=(None if torch_path else
+                  plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)),
+            cpu_plan=(plan_cpu_attention(q_lens, [c + q for c, q in zip(computed_list, q_lens)],
+                                         table.to(dev), bs, self._kv_bytes_per_layer_token)
+                      if torch_path else None),
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta,
-                logits_indices.to(dev))
+        return ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies, in that order, on every layer."""
@@ -159,20 +187,50 @@ class ModelRunner:
             rate = tokens / max(time.perf_counter() - t, 1e-9)
         return swap_bw, rate
 
+    @torch.inference_mode()
+    def _quantize_int8(self) -> None:
+        """Calibrate (a dense forward over `calibration_token_ids`, in chunks of 512, using
+        the empty cache's first blocks as scratch), then quantize the model to int8."""
+        ids = calibration_token_ids(self.tokenizer)
+        ids = ids[:min(len(ids), self.num_blocks * self.block_size, self.max_model_len)]
+        blocks = list(range(self.blocks_needed(len(ids))))
+        last = torch.zeros(1, dtype=torch.int64, device=self.device)
+        with self.model.observe_linear_inputs() as observed:
+            for start in range(0, len(ids), 512):
+                chunk = ids[start:start + 512]
+                seq = ScheduledSequence("calibration", chunk, start, blocks, False,
+                                        SamplingParams(), None)
+                input_ids, positions, meta, _ = self.prepare_inputs(
+                    SchedulerOutput([seq], len(chunk)))
+                self.model.forward(input_ids, positions, meta, self.kv_caches, last)
+        self.model.quantize_int8(observed)
+        for kv in self.kv_caches:
+            kv[:, blocks] = 0
+        log.info("int8: %d linear layers quantized after calibration on %d tokens",
+                 4 * self.model.num_layers + 1, len(ids))
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns {request_id: sampled token} for sequences that sample."""
+        tm = self.timer
+        if tm is not None:
+            tm.start()
         self.apply_block_ops(out)
         if not out.sequences:
             return {}
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
+        if tm is not None:
+            tm.lap("build_batch")
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices,
+                                    timer=tm)
         sampling = [s for s in out.sequences if s.sample]
         if not sampling:
             return {}
         tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
         tokens = sample(logits, *tensors, [s.generator for s in sampling]).tolist()
+        if tm is not None:
+            tm.lap("sample")
         return {s.request_id: t for s, t in zip(sampling, tokens)}

@@ -1,0 +1,366 @@
+"""Engine-only benchmark: the step loop without a socket, every millisecond accounted for.
+
+    python -m service.bench.engine_only                       # fp32, decode 1/16/64, prefill 512
+    python -m service.bench.engine_only --quantization none,int8 --rounds 3 --json out.json
+
+Drives the scheduler, the model runner and the detokenizer the way the engine's
+step loop does (schedule -> execute -> update_from_output -> detokenize and encode
+each request's delta frame), synchronously, in one thread. Scenarios:
+
+- decode-N: N running sequences, each with a context of about --context tokens,
+  one token each per step (their prompts are prefilled first, untimed);
+- prefill-P: each step is the whole prefill of a new P-token prompt.
+
+Each step is split into schedule / build_batch (block ops and metadata) / linear /
+attention (K/V store included) / other (the rest of the forward) / sample /
+update (scheduler output processing) / detokenize+stream. Variants (quantization x
+threads) are interleaved round by round so that they see the same machine load;
+figures are medians over rounds of each run's median step (sections: means).
+Prompts are real English (service.bench.texts), different for every sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import Delta, SamplingParams, encode
+from service.block_pool import KVBlockPool
+from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.detokenizer import IncrementalDetokenizer
+from service.loader import LoadedModel, load_model
+from service.model import SectionTimer
+from service.model_runner import ModelRunner
+from service.request import Request
+from service.scheduler import Scheduler
+
+SECTIONS = ("schedule", "build_batch", "linear", "attention", "other", "sample", "update",
+            "detokenize+stream")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """kind "decode": num_seqs sequences decoding at about `context` tokens of context;
+    kind "prefill": one prompt of `context` tokens prefilled per step."""
+
+    kind: str
+    num_seqs: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        return f"decode-{self.num_seqs}" if self.kind == "decode" else f"prefill-{self.context}"
+
+
+@dataclass
+class RunStats:
+    """Per-step wall times of one (variant, scenario) in one round, seconds."""
+
+    tokens_per_step: int
+    totals: list[float] = field(default_factory=list)
+    sections: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SECTIONS})
+
+
+class _Workload:
+    """A scheduler over one runner's cache, real-text prompts, a detokenizer per request."""
+
+    def __init__(self, runner: ModelRunner, tokens: list[int], max_num_seqs: int,
+                 token_budget: int = 512) -> None:
+        self.runner = runner
+        self.tokens = tokens
+        pool = KVBlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget)
+        # The cache is sized for the scenario: no watermark may hold back or preempt anyone.
+        cache = CacheConfig(kv_watermark_low=1.0, kv_watermark_high=1.0,
+                            kv_watermark_critical=1.0)
+        self.sched = Scheduler(config, pool, runner.max_model_len, cache=cache)
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._next = 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> Request:
+        # Each prompt is cut at a different offset of the text (no two share a prefix).
+        start = (self._next * 997) % max(1, len(self.tokens) - prompt_len)
+        ids = self.tokens[start:start + prompt_len]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        req = Request(f"bench-{self._next}", ids, params, self.runner.loaded.eos_token_ids)
+        self._next += 1
+        self.sched.add_request(req)
+        self.detoks[req.request_id] = IncrementalDetokenizer(self.runner.tokenizer, ids)
+        return req
+
+    def step(self, stats: RunStats | None) -> int:
+        """One engine iteration; with stats, its sections are recorded. Returns the
+        number of sequences scheduled."""
+        timer = SectionTimer(self.runner.device) if stats is not None else None
+        self.runner.timer = timer
+        t0 = time.perf_counter()
+        out = self.sched.schedule()
+        t1 = time.perf_counter()
+        sampled = self.runner.execute(out)
+        t2 = time.perf_counter()
+        got = self.sched.update_from_output(out, sampled)
+        finished = []
+        for req in got:
+            reason = req.check_stop(self.runner.max_model_len)
+            if reason is not None:
+                finished.append(req)
+        t3 = time.perf_counter()
+        for req in got:  # what the engine does per new token: text delta, one JSON frame
+            text = self.detoks[req.request_id].step(req.output_token_ids[-1:]).text
+            encode(Delta(id=req.request_id, index=len(req.output_token_ids) - 1, text=text,
+                         token_ids=req.output_token_ids[-1:]))
+        t4 = time.perf_counter()
+        for req in finished:
+            self.sched.finish_request(req.request_id, "length")
+            del self.detoks[req.request_id]
+        self.runner.timer = None
+        if stats is not None and timer is not None:
+            sec = stats.sections
+            sec["schedule"].append(t1 - t0)
+            for name in ("build_batch", "linear", "attention", "other", "sample"):
+                sec[name].append(timer.seconds.get(name, 0.0))
+            sec["update"].append(t3 - t2)
+            sec["detokenize+stream"].append(t4 - t3)
+            stats.totals.append(t4 - t0)
+        return len(out.sequences)
+
+    def finish_all(self) -> None:
+        for rid in list(self.sched.requests):
+            self.sched.finish_request(rid, "cancelled")
+        self.detoks.clear()
+        self.sched.check_integrity()
+
+
+class _DecodeRun:
+    """decode-N: N sequences prefilled once, then measured `steps` at a time."""
+
+    def __init__(self, runner: ModelRunner, tokens: list[int], sc: Scenario, steps: int,
+                 rounds: int, warmup: int) -> None:
+        self.wl = _Workload(runner, tokens, sc.num_seqs)
+        total = warmup + steps * rounds
+        # prompts end total/2 tokens before `context`: the measured contexts centre on it
+        prompt_len = max(1, sc.context - total // 2)
+        # Early sequences decode while later prompts are still prefilled in chunks of 512
+        # tokens: give them room for those steps too.
+        max_tokens = total + 8 + (sc.num_seqs * prompt_len) // 256
+        self.reqs = [self.wl.add(prompt_len, max_tokens) for _ in range(sc.num_seqs)]
+        while any(not r.output_token_ids for r in self.reqs):  # prefill, untimed
+            self.wl.step(None)
+        for _ in range(warmup):
+            self.wl.step(None)
+        self.num_seqs = sc.num_seqs
+
+    def measure(self, steps: int) -> RunStats:
+        stats = RunStats(self.num_seqs)
+        for _ in range(steps):
+            scheduled = self.wl.step(stats)
+            if scheduled != self.num_seqs or self.wl.sched.num_preemptions:
+                raise RuntimeError(f"decode step ran {scheduled} of {self.num_seqs} sequences "
+                                   f"({self.wl.sched.num_preemptions} preemptions)")
+        return stats
+
+    def close(self) -> None:
+        self.wl.finish_all()
+
+
+class _PrefillRun:
+    """prefill-P: every measured step is the whole prefill of a fresh P-token prompt."""
+
+    def __init__(self, runner: ModelRunner, tokens: list[int], sc: Scenario, warmup: int) -> None:
+        self.wl = _Workload(runner, tokens, 1, token_budget=max(512, sc.context))
+        self.context = sc.context
+        for _ in range(warmup):
+            self.wl.add(self.context, 1)
+            self.wl.step(None)
+
+    def measure(self, steps: int) -> RunStats:
+        stats = RunStats(self.context)
+        for _ in range(steps):
+            self.wl.add(self.context, 1)
+            if self.wl.step(stats) != 1 or self.wl.sched.has_unfinished():
+                raise RuntimeError("a prefill step did not run the whole prompt")
+        return stats
+
+    def close(self) -> None:
+        self.wl.finish_all()
+
+
+def summarize(runs: list[RunStats]) -> dict[str, object]:
+    """Median over runs of each run's median step; sections as means over all steps (ms)."""
+    medians = [statistics.median(r.totals) for r in runs]
+    step_s = statistics.median(medians)
+    steps = [t for r in runs for t in r.totals]
+    sections = {s: 1e3 * statistics.fmean(v for r in runs for v in r.sections[s]) for s in SECTIONS}
+    return {
+        "tokens_per_s": runs[0].tokens_per_step / step_s,
+        "steps_per_s": 1.0 / step_s,
+        "ms_per_step_median": 1e3 * step_s,
+        "ms_per_step_mean": 1e3 * statistics.fmean(steps),
+        "ms_per_step_run_medians": [round(1e3 * m, 2) for m in medians],
+        "sections_ms_mean": sections,
+        "steps_measured": len(steps),
+    }
+
+
+def _text_tokens(loaded: LoadedModel, needed: int) -> list[int]:
+    from service.bench.texts import PASSAGES
+
+    ids = loaded.tokenizer.encode("\n\n".join(PASSAGES), add_special_tokens=False)
+    while len(ids) < needed:
+        ids = ids + ids
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="conveyor bench --engine-only",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quantization", default="none", metavar="LIST",
+                   help="comma-separated variants among none, int8 (e.g. none,int8)")
+    p.add_argument("--threads", default=None, metavar="LIST",
+                   help="comma-separated torch thread counts to compare (default: the cores)")
+    p.add_argument("--decode-seqs", default="1,16,64", metavar="LIST",
+                   help="running sequences of the decode scenarios ('' for none)")
+    p.add_argument("--context", type=int, default=300, metavar="TOKENS",
+                   help="context length of the decoding sequences (about)")
+    p.add_argument("--prefill-len", type=int, default=512, metavar="TOKENS",
+                   help="prompt length of the prefill scenario (0 for none)")
+    p.add_argument("--steps", type=int, default=8, metavar="N",
+                   help="measured decode steps per scenario and round")
+    p.add_argument("--prefill-steps", type=int, default=2, metavar="N",
+                   help="measured prefills per round")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="rounds; the variants take turns within each round")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps per scenario")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"--{name} values must be >= 1, got {text!r}")
+    return values
+
+
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str | None], list[int],
+                                          list[Scenario]]:
+    a = build_parser().parse_args(list(argv))
+    quants: list[str | None] = []
+    for q in a.quantization.split(","):
+        if q.strip() not in ("none", "int8"):
+            raise ValueError(f"--quantization values must be none or int8, got {q!r}")
+        quants.append(None if q.strip() == "none" else q.strip())
+    threads = _int_list(a.threads, "threads") if a.threads else [len(os.sched_getaffinity(0))]
+    for name in ("context", "steps", "prefill_steps", "rounds"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup < 0 or a.prefill_len < 0:
+        raise ValueError("--warmup and --prefill-len must be >= 0")
+    scenarios = [Scenario("decode", n, a.context) for n in _int_list(a.decode_seqs, "decode-seqs")]
+    if a.prefill_len:
+        scenarios.append(Scenario("prefill", 1, a.prefill_len))
+    if not scenarios:
+        raise ValueError("no scenario: give --decode-seqs or --prefill-len")
+    return a, quants, threads, scenarios
+
+
+def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
+    head = (f"{'scenario':<12} {'variant':<14} {'tok/s':>8} {'steps/s':>8} {'ms/step':>8} |"
+            + "".join(f" {s[:12]:>12}" for s in SECTIONS))
+    lines = [head, "-" * len(head)]
+    for scenario, by_variant in results.items():
+        for variant, r in by_variant.items():
+            sec = r["sections_ms_mean"]
+            assert isinstance(sec, dict)
+            lines.append(f"{scenario:<12} {variant:<14} {r['tokens_per_s']:>8.1f} "
+                         f"{r['steps_per_s']:>8.2f} {r['ms_per_step_median']:>8.2f} |"
+                         + "".join(f" {sec[s]:>12.3f}" for s in SECTIONS))
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str]) -> dict[str, object]:
+    """Run the benchmark; returns the results (also printed). Raises ValueError for bad args."""
+    a, quants, threads, scenarios = _parse(argv)
+    load_before = os.getloadavg()
+    loaded = load_model(a.model, torch.float32)
+    variants = [(q, t) for q in quants for t in threads]
+    # Thread variants of one quantization share its runner and its decode state.
+    decode_steps = a.warmup + a.steps * a.rounds * len(threads) + 8
+    blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
+                       // a.block_size) * sc.num_seqs for sc in scenarios)
+    tokens = _text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
+    runners: dict[str | None, ModelRunner] = {}
+    for q in quants:
+        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q),
+                           cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
+                                             swap_space=0))
+        runners[q] = ModelRunner(cfg, loaded)
+
+    def label(q: str | None, t: int) -> str:
+        return f"{q or 'fp32'}/{t}t"
+
+    stats: dict[str, dict[str, list[RunStats]]] = {sc.name: {label(*v): [] for v in variants}
+                                                   for sc in scenarios}
+    for sc in scenarios:
+        live: dict[str | None, _DecodeRun | _PrefillRun] = {}
+        for q in quants:
+            torch.set_num_threads(threads[0])
+            live[q] = (_DecodeRun(runners[q], tokens, sc, a.steps * len(threads), a.rounds,
+                                  a.warmup)
+                       if sc.kind == "decode" else _PrefillRun(runners[q], tokens, sc, a.warmup))
+        steps = a.steps if sc.kind == "decode" else a.prefill_steps
+        for _ in range(a.rounds):
+            for q, t in variants:
+                torch.set_num_threads(t)
+                stats[sc.name][label(q, t)].append(live[q].measure(steps))
+        for run_ in live.values():
+            run_.close()
+    results = {name: {v: summarize(runs) for v, runs in by_v.items()}
+               for name, by_v in stats.items()}
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "results": results,
+    }
+    print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
+          f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores")
+    print(_format(results))
+    print("tok/s, steps/s, ms/step: median over rounds of each round's median step; "
+          "sections: mean ms per step")
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (`scripts/bench --engine-only ...`). Returns 0, or 2 for bad arguments."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        report = run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"engine-only bench: {e}", file=sys.stderr)
+        return 2
+    path = build_parser().parse_args(list(argv)).json
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
