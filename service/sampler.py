@@ -88,8 +88,10 @@ def build_sampling_tensors(
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"row {row}: min_p must be in [0, 1], got {p.min_p!r}")
         temperature.append(t)
-        top_p.append(tp)
-        top_k.append(tk)
+        # keep values representable: a top_p below float32's range would round to 0 (keep the
+        # top token instead, which is what any tiny nucleus means); top_k >= 2**31 means "off"
+        top_p.append(max(tp, 1e-6))
+        top_k.append(min(tk, (1 << 31) - 1))
         min_p.append(mp)
     return SamplingTensors(
         torch.tensor(temperature, dtype=torch.float32, device=device),
