@@ -4,6 +4,10 @@
     scripts/bench --url ws://127.0.0.1:8765/v1/stream --workload shared-prefix
     scripts/bench --compare enable_prefix_caching=true,false --workload shared-prefix
     scripts/bench --max-num-seqs 8 --peer hf-static --peer hf-continuous --scale 0.25
+    scripts/bench --engine-only --quantization none,int8     # no socket: ms per step
+
+`--engine-only` (first argument or anywhere) hands the remaining arguments to the
+engine-only benchmark (`service.bench.engine_only`, its own `--help`).
 
 Without --url it starts `conveyor serve` itself (a subprocess on a free port) with the
 engine options given here, once per --compare value. Peers run in-process afterwards on
@@ -42,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conveyor bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t = p.add_argument_group("targets")
+    t.add_argument("--engine-only", action="store_true",
+                   help="run the engine-only benchmark instead (no socket; ms per step split "
+                        "into sections); see `scripts/bench --engine-only --help`")
     t.add_argument("--url", help="benchmark a running server (ws://HOST:PORT/v1/stream) instead "
                                  "of starting one with the engine options below")
     t.add_argument("--compare", metavar="NAME=V1,V2,...",
@@ -93,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--engine-only" in argv:
+        from service.bench.engine_only import main as engine_only_main
+
+        return engine_only_main([x for x in argv if x != "--engine-only"])
     a = build_parser().parse_args(argv)
     try:
         return _bench(a, argv)

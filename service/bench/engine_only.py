@@ -293,11 +293,12 @@ def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
     return "\n".join(lines)
 
 
-def run(argv: Sequence[str]) -> dict[str, object]:
-    """Run the benchmark; returns the results (also printed). Raises ValueError for bad args."""
+def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, object]:
+    """Run the benchmark; returns the report (also printed). `loaded`: a checkpoint already
+    in memory (else --model is loaded). Raises ValueError for bad arguments."""
     a, quants, threads, scenarios = _parse(argv)
     load_before = os.getloadavg()
-    loaded = load_model(a.model, torch.float32)
+    loaded = loaded or load_model(a.model, torch.float32)
     variants = [(q, t) for q in quants for t in threads]
     # Thread variants of one quantization share its runner and its decode state.
     decode_steps = a.warmup + a.steps * a.rounds * len(threads) + 8

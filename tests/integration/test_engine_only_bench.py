@@ -1,0 +1,60 @@
+"""The engine-only benchmark runs its scenarios on the real model and reports every
+section; bad arguments are refused. Figures are not checked (no timing in tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.bench.engine_only import SECTIONS, main, run
+
+
+def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> None:
+    report = run(["--quantization", "none,int8", "--decode-seqs", "1,3", "--context", "40",
+                  "--steps", "2", "--rounds", "2", "--warmup", "1", "--prefill-len", "24",
+                  "--prefill-steps", "1", "--threads", "1"], loaded=loaded_model)
+    results = report["results"]
+    assert list(results) == ["decode-1", "decode-3", "prefill-24"]
+    for scenario, by_variant in results.items():
+        assert list(by_variant) == ["fp32/1t", "int8/1t"]
+        for r in by_variant.values():
+            assert r["tokens_per_s"] > 0 and r["steps_per_s"] > 0
+            assert len(r["ms_per_step_run_medians"]) == 2  # one per round
+            assert r["steps_measured"] == (4 if scenario.startswith("decode") else 2)
+            sections = r["sections_ms_mean"]
+            assert list(sections) == list(SECTIONS)
+            assert all(v >= 0 for v in sections.values())
+            assert sections["linear"] > 0 and sections["attention"] > 0
+            # the sections are disjoint parts of the step
+            assert sum(sections.values()) <= r["ms_per_step_mean"] * 1.0001
+    r3 = results["decode-3"]["fp32/1t"]
+    assert r3["tokens_per_s"] == pytest.approx(3 * r3["steps_per_s"])
+    assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
+
+
+@pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--threads", "0"],
+                                  ["--decode-seqs", "", "--prefill-len", "0"],
+                                  ["--steps", "0"], ["--decode-seqs", "a"]])
+def test_bad_arguments_exit_2(argv, capsys) -> None:
+    assert main(argv) == 2
+    assert "engine-only bench" in capsys.readouterr().err
+
+
+def test_json_written(loaded_model, tmp_path, monkeypatch) -> None:
+    import service.bench.engine_only as eo
+
+    monkeypatch.setattr(eo, "load_model", lambda *a, **k: loaded_model)
+    out = tmp_path / "r.json"
+    assert main(["--decode-seqs", "1", "--context", "16", "--steps", "1", "--rounds", "1",
+                 "--warmup", "0", "--prefill-len", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data["results"]) == ["decode-1"]
+
+
+def test_scripts_bench_engine_only_dispatches_to_it(capsys) -> None:
+    from service.bench.cli import main as bench_main
+
+    # refused by the engine-only parser (no model load), not by the load generator's
+    assert bench_main(["--engine-only", "--steps", "0"]) == 2
+    assert "engine-only bench" in capsys.readouterr().err
