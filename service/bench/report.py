@@ -41,6 +41,7 @@ FIGURES: tuple[tuple[str, Callable[[Metrics], float | None]], ...] = (
     ("ITL p99 ms", lambda m: m.itl_ms.p99),
     ("E2E mean ms", lambda m: m.e2e_ms.mean),
     ("E2E p99 ms", lambda m: m.e2e_ms.p99),
+    ("short E2E mean ms", lambda m: m.short_e2e_ms.mean),
     ("failed", lambda m: float(m.failed)),
 )
 
@@ -75,7 +76,8 @@ def format_run(run: RunResult, slo: Slo | None = None) -> str:
                                                      ("mean", "median", "p90", "p99", "max"))
                  + "samples".rjust(8))
     for name, s in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL", m.itl_ms),
-                    ("E2E", m.e2e_ms), ("engine queue", m.engine_queue_ms),
+                    ("E2E", m.e2e_ms), ("E2E short requests", m.short_e2e_ms),
+                    ("engine queue", m.engine_queue_ms),
                     ("engine TTFT", m.engine_ttft_ms), ("TTFT gap client-engine", m.ttft_gap_ms)):
         if s.count:
             lines.append(_summary_row(name, s))

@@ -83,10 +83,24 @@ def test_metrics_by_hand():
     assert m.ttft_ms.mean == pytest.approx(150.0) and m.ttft_ms.p90 == pytest.approx(190.0)
     assert m.itl_ms.count == 3 and m.itl_ms.median == pytest.approx(100.0)
     assert m.e2e_ms.max == pytest.approx(500.0)
+    assert m.short_e2e_ms.count == 2                  # every max_tokens is the median
     assert m.engine_queue_ms.mean == pytest.approx(12.5)
     assert m.ttft_gap_ms.mean == pytest.approx(7.5)   # (10 + 5) / 2
     no_slo = compute_metrics(_records())
     assert no_slo.goodput_requests_per_s is None and no_slo.slo_attainment is None
+
+
+def test_short_e2e_is_the_requests_at_or_under_the_median_max_tokens():
+    # seed-exercise's shape: 8 short requests and 2 long ones
+    recs = [RequestRecord(index=i, request_id=f"s{i}", input_tokens=5,
+                          max_tokens=1000 if i % 5 == 4 else 100, scheduled_s=0.0, sent_s=0.0,
+                          done_s=(10.0 if i % 5 == 4 else 1.0 + i / 10),
+                          delta_times_s=[0.5], delta_token_counts=[1]) for i in range(10)]
+    m = compute_metrics(recs)
+    assert m.short_e2e_ms.count == 8
+    shorts = [1000.0 * (1.0 + i / 10) for i in range(10) if i % 5 != 4]
+    assert m.short_e2e_ms.mean == pytest.approx(sum(shorts) / 8)
+    assert m.e2e_ms.max == pytest.approx(10_000.0)
 
 
 def test_slo_tpot_bound_and_single_token():
