@@ -138,8 +138,12 @@ def _check_args(a: argparse.Namespace) -> CompareSpec | None:
             raise ValueError(f"{name} {value} is out of range")
     if a.slo:
         Slo.parse(a.slo)
-    if a.json and not Path(a.json).resolve().parent.is_dir():
-        raise ValueError(f"--json {a.json}: its folder does not exist")
+    if a.json:
+        folder = Path(a.json).resolve().parent
+        try:  # created before the run, so that a bad path fails in seconds, not after it
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--json {a.json}: cannot create its folder: {e}") from None
     compare = CompareSpec.parse(a.compare) if a.compare else None
     if not a.url and not a.no_server:
         for _, args in _servers(a, compare):

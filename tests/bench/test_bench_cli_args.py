@@ -82,8 +82,17 @@ def test_engine_options_round_trip_to_conveyor_serve():
     ["--request-rate", "0"],
     ["--scale", "-1"],
     ["--max-concurrency", "0"],
-    ["--json", "/nonexistent/folder/out.json"],
+    ["--json", "/dev/null/out.json"],  # its folder cannot be created under a file
 ])
 def test_cli_rejects_bad_combinations_before_any_work(argv, capsys):
     assert main(argv) == 2
     assert "conveyor bench:" in capsys.readouterr().err
+
+
+def test_json_folder_is_created_before_any_work(tmp_path):
+    from service.bench.cli import _check_args
+
+    out = tmp_path / "new" / "deeper" / "run.json"
+    _check_args(build_parser().parse_args(["--json", str(out), "--url",
+                                           "ws://127.0.0.1:1/v1/stream"]))
+    assert out.parent.is_dir() and not out.exists()
