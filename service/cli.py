@@ -211,7 +211,8 @@ async def _serve(a: argparse.Namespace) -> None:
         if stop.is_set():  # signalled while loading
             return
         server = await ConveyorServer(engine, net).start()
-        print(f"conveyor: serving {engine.model_name} at {server.url}", flush=True)
+        mode = f" ({cfg.model.quantization})" if cfg.model.quantization else ""
+        print(f"conveyor: serving {engine.model_name}{mode} at {server.url}", flush=True)
         print(f"conveyor: health at http://{a.host}:{server.port}/health", flush=True)
         try:
             await stop.wait()

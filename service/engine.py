@@ -115,7 +115,8 @@ class Engine:
         self.ready = self.accepting = True
         log.info("engine_ready", model=runner.loaded.name, kv_blocks=runner.num_blocks,
                  block_size=self.config.cache.block_size, device=str(runner.device),
-                 kernels=runner.ops.name)
+                 kernels=runner.ops.name, dtype=self.config.model.dtype,
+                 quantization=self.config.model.quantization or "none")
         return self
 
     async def close(self) -> None:
