@@ -133,6 +133,8 @@ class Engine:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._runner is not None:
+            self._runner.release()  # the KV cache and weights go now, not at the next GC
 
     def begin_shutdown(self) -> None:
         """Stop accepting requests (new ones get ShuttingDown); running ones go on."""

@@ -213,8 +213,24 @@ class ModelRunner:
         return -(-num_tokens // self.block_size)
 
     @torch.inference_mode()
+    def release(self) -> None:
+        """Drop the KV cache, the swap space and the model's own weights now (the engine
+        closed), instead of whenever the garbage collector reaches the engine's reference
+        cycles: about 0.9 GB with the test engines' small caches, 2 GiB+ by default.
+        The checkpoint (`loaded`) and the tokenizer stay. Idempotent.
+
+        Raises nothing; `execute()` raises RuntimeError afterwards.
+        """
+        self.kv_caches = []
+        self.swap_caches = []
+        self.model = None  # type: ignore[assignment]
+
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns {request_id: sampled token} for sequences that sample."""
+        """Run one step; returns {request_id: sampled token} for sequences that sample.
+
+        Raises RuntimeError after `release()`."""
+        if self.model is None:
+            raise RuntimeError("the model runner was released (its engine is closed)")
         tm = self.timer
         if tm is not None:
             tm.start()
