@@ -12,18 +12,12 @@ import torch
 
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
 from service.quantization import Int8Linear
+from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
                                 reason="int8 needs torch's fbgemm engine (x86-64)")
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three primary colors:",
-    "Water boils at a temperature of",
-    "The three states of matter are",
-]
+PROMPTS = [*GREEDY_PROMPTS, "The three states of matter are"]
 TEXT = ("Bread begins with four ingredients and a great deal of patience. Flour and water, "
         "left to rest together, form gluten: long elastic proteins that trap the gas made by "
         "yeast as it eats the sugars in the dough. A baker folds the dough rather than "

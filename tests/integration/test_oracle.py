@@ -10,6 +10,7 @@ import torch
 from protocol import Delta, Done, SamplingParams
 from service.model_runner import ModelRunner
 from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
 
 
@@ -63,13 +64,7 @@ def test_chunked_prefill_logits_match(loaded_model, hf_model, tokenizer, small_c
     torch.testing.assert_close(got[0], ref, atol=2e-4, rtol=1e-4)
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "List three primary colors:",
-    "Water boils at a temperature of",
-]
+PROMPTS = GREEDY_PROMPTS
 
 
 @pytest.fixture(scope="module")
