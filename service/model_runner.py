@@ -212,7 +212,6 @@ class ModelRunner:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    @torch.inference_mode()
     def release(self) -> None:
         """Drop the KV cache, the swap space and the model's own weights now (the engine
         closed), instead of whenever the garbage collector reaches the engine's reference
@@ -225,6 +224,7 @@ class ModelRunner:
         self.swap_caches = []
         self.model = None  # type: ignore[assignment]
 
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns {request_id: sampled token} for sequences that sample.
 
