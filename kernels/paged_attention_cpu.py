@@ -8,7 +8,9 @@ once per step instead of once per layer:
 - ``plan_cpu_attention`` (once per step, from host-side lengths): which rows
   decode, in which groups, with which gather indices and key-padding masks;
   each prefill chunk's blocks and causal mask.
-- ``cpu_paged_attention`` (once per layer): gathers and ``scaled_dot_product_attention``.
+- ``cpu_paged_attention`` (once per layer): gathers and ``scaled_dot_product_attention``,
+  or, with ``decode_kernel="cpp"``, the decodes through the C++ kernel of
+  ``kernels.decode_attention_cpu`` (no gather) and only the prefill chunks through SDPA.
 
 Why groups: gathering every decode's K/V at once (``paged_attention_ref``)
 writes the whole gathered context (64 sequences x 300 tokens: 30 MB per layer)
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.decode_attention_cpu import decode_attention_cpu
 
 DEFAULT_GROUP_BYTES = 4 << 20
 """Gathered K+V bytes of one decode group. On the 2-core reference machine (2 x 1 MiB L2,
@@ -54,6 +58,18 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class KernelDecodes:
+    """Every decode of the step, for the C++ kernel (``decode_attention_cpu``).
+
+    rows: [n] int64 rows of q. block_tables: [n, max_blocks] int64. seq_lens: [n] int64.
+    """
+
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PrefillChunk:
     """One sequence's chunk of n > 1 query tokens.
 
@@ -72,7 +88,8 @@ class PrefillChunk:
 class CpuAttentionPlan:
     """Everything ``cpu_paged_attention`` needs besides q and the cache, for one step.
 
-    num_tokens: T, rows of q. decode_groups / prefills: see their classes.
+    num_tokens: T, rows of q. decode_groups / kernel_decodes / prefills: see their classes;
+        decodes are in decode_groups (SDPA) or in kernel_decodes (the C++ kernel), never both.
     all_decode_in_order: every sequence decodes and the rows are 0..T-1 in one
         group (the output is the group's result, no copy).
     """
@@ -81,6 +98,7 @@ class CpuAttentionPlan:
     decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
     all_decode_in_order: bool
+    kernel_decodes: KernelDecodes | None = None
 
 
 def plan_cpu_attention(
@@ -90,6 +108,7 @@ def plan_cpu_attention(
     block_size: int,
     kv_bytes_per_token: int,
     group_bytes: int = DEFAULT_GROUP_BYTES,
+    decode_kernel: str = "sdpa",
 ) -> CpuAttentionPlan:
     """Plan one step's attention (host-side work, once per step for all layers).
 
@@ -104,6 +123,8 @@ def plan_cpu_attention(
         block_size: tokens per cache block.
         kv_bytes_per_token: bytes of one token's K plus V in one layer (2 Hkv D itemsize).
         group_bytes: gathered K+V bytes per decode group (at least one sequence a group).
+        decode_kernel: "sdpa" (decodes gathered in groups, SDPA) or "cpp" (all decodes
+            in one ``KernelDecodes`` for ``kernels.decode_attention_cpu``).
 
     Returns:
         The plan; its tensors live on block_tables' device.
@@ -118,6 +139,8 @@ def plan_cpu_attention(
             f"query_lens ({num_seqs}), seq_lens ({len(seq_lens)}) and block_tables rows "
             f"(shape {tuple(block_tables.shape)}) must describe the same sequences"
         )
+    if decode_kernel not in ("sdpa", "cpp"):
+        raise ValueError(f"decode_kernel must be 'sdpa' or 'cpp', got {decode_kernel!r}")
     if block_size < 1 or kv_bytes_per_token < 1 or group_bytes < 1:
         raise ValueError(
             f"block_size ({block_size}), kv_bytes_per_token ({kv_bytes_per_token}) and "
@@ -150,6 +173,16 @@ def plan_cpu_attention(
                 mask = (key_pos[None, :] <= query_pos[:, None])[None, None]  # [1, 1, n, ctx]
             prefills.append(PrefillChunk(slice(row, row + n), tables[b, :num_blocks], ctx, mask))
         row += n
+    if decode_kernel == "cpp":
+        kernel = None
+        if decodes:
+            seqs = torch.tensor([b for _, b, _ in decodes], device=device)
+            kernel = KernelDecodes(
+                rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.int64, device=device),
+                block_tables=(tables if len(decodes) == num_seqs else tables[seqs]).contiguous(),
+                seq_lens=torch.tensor([c for _, _, c in decodes], dtype=torch.int64,
+                                      device=device))
+        return CpuAttentionPlan(row, (), tuple(prefills), False, kernel)
     groups = _plan_decode_groups(decodes, tables, block_size, kv_bytes_per_token, group_bytes)
     in_order = (len(groups) == 1 and not prefills and len(decodes) == num_seqs
                 and isinstance(groups[0].rows, slice) and groups[0].rows.start == 0)
@@ -218,7 +251,9 @@ def cpu_paged_attention(
 
     Raises:
         ValueError: q rows differ from the plan's, or the head counts are not a
-            multiple of each other, or the cache is not contiguous.
+            multiple of each other, or the cache is not contiguous (and, for a plan
+            with kernel_decodes, what ``decode_attention_cpu`` rejects).
+        KernelBuildError: a plan with kernel_decodes, and the C++ kernel does not build.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -239,6 +274,10 @@ def cpu_paged_attention(
         return _decode_group(q, k_rows, v_rows, plan.decode_groups[0], block_size,
                              num_kv_heads, group, scale)
     out = q.new_empty(q.shape)
+    if plan.kernel_decodes is not None:
+        kd = plan.kernel_decodes
+        decode_attention_cpu(q, k_cache, v_cache, kd.block_tables, kd.seq_lens, kd.rows, out,
+                             scale)
     for g in plan.decode_groups:
         out[g.rows] = _decode_group(q[g.rows], k_rows, v_rows, g, block_size, num_kv_heads,
                                     group, scale)

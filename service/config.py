@@ -30,6 +30,10 @@ class ModelConfig:
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
     quantization: None (dense weights, the default and the correctness oracle) or "int8"
         (linear layers in int8 with torch's fbgemm kernels; CPU, dtype float32).
+    cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
+        kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
+        it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
+        or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
     """
 
     model: str | None = None
@@ -38,6 +42,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     max_model_len: int | None = None
     quantization: str | None = None
+    cpu_decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -48,6 +53,8 @@ class ModelConfig:
                "one of auto, triton, torch", self.attention_backend)
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                ">= 1 tokens", self.max_model_len)
+        _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
+               "one of auto, cpp, sdpa", self.cpu_decode_kernel)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),

@@ -116,7 +116,8 @@ class Engine:
         log.info("engine_ready", model=runner.loaded.name, kv_blocks=runner.num_blocks,
                  block_size=self.config.cache.block_size, device=str(runner.device),
                  kernels=runner.ops.name, dtype=self.config.model.dtype,
-                 quantization=self.config.model.quantization or "none")
+                 quantization=self.config.model.quantization or "none",
+                 decode_kernel=runner.decode_kernel)
         return self
 
     async def close(self) -> None:

@@ -57,6 +57,7 @@ class ModelRunner:
         self.loaded = loaded or load_model(mc.model, self.dtype)
         self.ops = select_ops(mc.attention_backend, self.device)
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
+        self.decode_kernel = self._choose_decode_kernel(mc.cpu_decode_kernel)
         # Benchmarks set a SectionTimer here to split execute() into build_batch,
         # linear, attention, other and sample; None (the default) costs nothing.
         self.timer: SectionTimer | None = None
@@ -84,6 +85,40 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB; swap space %d blocks",
                  self.num_blocks, cc.block_size, self.kv_cache_bytes / 2**20,
                  self.num_swap_blocks)
+
+    def _choose_decode_kernel(self, setting: str) -> str:
+        """The torch path's decode attention: "cpp" or "sdpa" ("none" on Triton).
+
+        Raises:
+            ValueError: setting "cpp" where the kernel does not apply (not the CPU
+                torch path, or a dtype / head layout it lacks) or does not build.
+        """
+        from kernels import decode_attention_cpu as dac
+
+        m = self.model
+        if self.ops.name != "torch":
+            applies, why = False, f"the {self.ops.name} kernels run attention"
+        elif self.device.type != "cpu":
+            applies, why = False, f"device {self.device} is not the CPU"
+        elif not dac.supports(self.dtype, m.num_heads, m.num_kv_heads, m.head_dim):
+            applies, why = False, (f"dtype {self.dtype} with {m.num_heads}/{m.num_kv_heads} "
+                                   f"heads of {m.head_dim} is not covered "
+                                   f"(fp32, D in {dac.HEAD_DIMS})")
+        else:
+            applies, why = True, ""
+            if setting != "sdpa":
+                try:
+                    dac.load_kernel()
+                except dac.KernelBuildError as e:
+                    applies, why = False, str(e)
+        if setting == "cpp" and not applies:
+            raise ValueError(f"cpu_decode_kernel 'cpp' cannot be used: {why}")
+        if self.ops.name != "torch":
+            return "none"
+        if setting == "auto" and not applies:
+            log.warning("decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
+            return "sdpa"
+        return "sdpa" if setting == "sdpa" else "cpp"
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
@@ -135,7 +170,8 @@ class ModelRunner:
             work=(None if torch_path else
                   plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)),
             cpu_plan=(plan_cpu_attention(q_lens, [c + q for c, q in zip(computed_list, q_lens)],
-                                         table.to(dev), bs, self._kv_bytes_per_layer_token)
+                                         table.to(dev), bs, self._kv_bytes_per_layer_token,
+                                         decode_kernel=self.decode_kernel)
                       if torch_path else None),
         )
         return ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)

@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="none", metavar="LIST",
                    help="comma-separated variants among none, int8 (e.g. none,int8)")
+    p.add_argument("--cpu-decode-kernel", default="auto", metavar="LIST",
+                   help="comma-separated decode attention kernels among auto, cpp, sdpa "
+                        "(e.g. cpp,sdpa to compare them side by side)")
     p.add_argument("--threads", default=None, metavar="LIST",
                    help="comma-separated torch thread counts to compare (default: the cores)")
     p.add_argument("--decode-seqs", default="1,16,64", metavar="LIST",
@@ -257,14 +260,19 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str | None], list[int],
-                                          list[Scenario]]:
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str]],
+                                          list[int], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
     for q in a.quantization.split(","):
         if q.strip() not in ("none", "int8"):
             raise ValueError(f"--quantization values must be none or int8, got {q!r}")
         quants.append(None if q.strip() == "none" else q.strip())
+    kernels = [k.strip() for k in a.cpu_decode_kernel.split(",")]
+    if any(k not in ("auto", "cpp", "sdpa") for k in kernels):
+        raise ValueError(f"--cpu-decode-kernel values must be auto, cpp or sdpa, "
+                         f"got {a.cpu_decode_kernel!r}")
+    models = [(q, k) for q in quants for k in kernels]
     threads = _int_list(a.threads, "threads") if a.threads else [len(os.sched_getaffinity(0))]
     for name in ("context", "steps", "prefill_steps", "rounds"):
         if getattr(a, name) < 1:
@@ -276,7 +284,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str | None], l
         scenarios.append(Scenario("prefill", 1, a.prefill_len))
     if not scenarios:
         raise ValueError("no scenario: give --decode-seqs or --prefill-len")
-    return a, quants, threads, scenarios
+    return a, models, threads, scenarios
 
 
 def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
@@ -296,39 +304,43 @@ def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
 def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, object]:
     """Run the benchmark; returns the report (also printed). `loaded`: a checkpoint already
     in memory (else --model is loaded). Raises ValueError for bad arguments."""
-    a, quants, threads, scenarios = _parse(argv)
+    a, models, threads, scenarios = _parse(argv)
     load_before = os.getloadavg()
     loaded = loaded or load_model(a.model, torch.float32)
-    variants = [(q, t) for q in quants for t in threads]
-    # Thread variants of one quantization share its runner and its decode state.
+    variants = [(m, t) for m in models for t in threads]
+    # Thread variants of one model variant share its runner and its decode state.
     decode_steps = a.warmup + a.steps * a.rounds * len(threads) + 8
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = _text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[str | None, ModelRunner] = {}
-    for q in quants:
-        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q),
+    runners: dict[tuple[str | None, str], ModelRunner] = {}
+    for q, k in models:
+        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
-        runners[q] = ModelRunner(cfg, loaded)
+        runners[(q, k)] = ModelRunner(cfg, loaded)
 
-    def label(q: str | None, t: int) -> str:
-        return f"{q or 'fp32'}/{t}t"
+    def label(m: tuple[str | None, str], t: int) -> str:
+        # e.g. "int8/cpp/2t"; the kernel is the one the runner resolved "auto" to
+        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}t"
 
+    if len({label(*v) for v in variants}) < len(variants):
+        raise ValueError("two variants resolve to the same decode kernel (e.g. auto and cpp): "
+                         "list each kernel once")
     stats: dict[str, dict[str, list[RunStats]]] = {sc.name: {label(*v): [] for v in variants}
                                                    for sc in scenarios}
     for sc in scenarios:
-        live: dict[str | None, _DecodeRun | _PrefillRun] = {}
-        for q in quants:
+        live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
+        for m in models:
             torch.set_num_threads(threads[0])
-            live[q] = (_DecodeRun(runners[q], tokens, sc, a.steps * len(threads), a.rounds,
+            live[m] = (_DecodeRun(runners[m], tokens, sc, a.steps * len(threads), a.rounds,
                                   a.warmup)
-                       if sc.kind == "decode" else _PrefillRun(runners[q], tokens, sc, a.warmup))
+                       if sc.kind == "decode" else _PrefillRun(runners[m], tokens, sc, a.warmup))
         steps = a.steps if sc.kind == "decode" else a.prefill_steps
         for _ in range(a.rounds):
-            for q, t in variants:
+            for m, t in variants:
                 torch.set_num_threads(t)
-                stats[sc.name][label(q, t)].append(live[q].measure(steps))
+                stats[sc.name][label(m, t)].append(live[m].measure(steps))
         for run_ in live.values():
             run_.close()
     results = {name: {v: summarize(runs) for v, runs in by_v.items()}

@@ -11,13 +11,14 @@ from service.bench.engine_only import SECTIONS, main, run
 
 
 def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> None:
-    report = run(["--quantization", "none,int8", "--decode-seqs", "1,3", "--context", "40",
+    report = run(["--quantization", "none,int8", "--cpu-decode-kernel", "cpp,sdpa",
+                  "--decode-seqs", "1,3", "--context", "40",
                   "--steps", "2", "--rounds", "2", "--warmup", "1", "--prefill-len", "24",
                   "--prefill-steps", "1", "--threads", "1"], loaded=loaded_model)
     results = report["results"]
     assert list(results) == ["decode-1", "decode-3", "prefill-24"]
     for scenario, by_variant in results.items():
-        assert list(by_variant) == ["fp32/1t", "int8/1t"]
+        assert list(by_variant) == ["fp32/cpp/1t", "fp32/sdpa/1t", "int8/cpp/1t", "int8/sdpa/1t"]
         for r in by_variant.values():
             assert r["tokens_per_s"] > 0 and r["steps_per_s"] > 0
             assert len(r["ms_per_step_run_medians"]) == 2  # one per round
@@ -28,14 +29,15 @@ def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> N
             assert sections["linear"] > 0 and sections["attention"] > 0
             # the sections are disjoint parts of the step
             assert sum(sections.values()) <= r["ms_per_step_mean"] * 1.0001
-    r3 = results["decode-3"]["fp32/1t"]
+    r3 = results["decode-3"]["fp32/cpp/1t"]
     assert r3["tokens_per_s"] == pytest.approx(3 * r3["steps_per_s"])
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
 
 
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--threads", "0"],
                                   ["--decode-seqs", "", "--prefill-len", "0"],
-                                  ["--steps", "0"], ["--decode-seqs", "a"]])
+                                  ["--steps", "0"], ["--decode-seqs", "a"],
+                                  ["--cpu-decode-kernel", "fast"]])
 def test_bad_arguments_exit_2(argv, capsys) -> None:
     assert main(argv) == 2
     assert "engine-only bench" in capsys.readouterr().err

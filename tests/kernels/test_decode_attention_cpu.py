@@ -1,0 +1,152 @@
+"""The C++ decode attention kernel (kernels.decode_attention_cpu) against paged_attention_ref
+and the naive loop, through cpu_paged_attention's "cpp" plan and called directly; its
+argument checks; building it (cache, compiler missing, compile errors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_attention_cpu as dac
+from kernels import paged_attention_ref
+from kernels.paged_attention_cpu import cpu_paged_attention, plan_cpu_attention
+
+SCENARIOS = {
+    # (context incl. this step, query tokens): contexts end mid-block and on a block edge
+    "decode": [(5, 1), (16, 1), (1, 1), (23, 1), (40, 1)],
+    # decodes between prefill chunks (rows not consecutive), chunks with earlier context
+    "mixed": [(12, 1), (7, 7), (21, 5), (1, 1), (30, 13), (9, 2), (40, 1)],
+}
+
+needs_kernel = pytest.mark.skipif(
+    not dac.kernel_available(), reason=f"C++ kernel does not build here: {dac.build_problem()}")
+
+
+def _plan(batch):
+    cu = batch.cu_seqlens_q.tolist()
+    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    num_kv_heads, head_dim = batch.kv.shape[3], batch.kv.shape[4]
+    return plan_cpu_attention(q_lens, batch.seq_lens.tolist(), batch.block_tables,
+                              batch.kv.shape[2], 2 * num_kv_heads * head_dim * 4,
+                              decode_kernel="cpp")
+
+
+@needs_kernel
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_matches_ref_and_naive(make_paged_batch, naive_attention, scenario, group, block_size,
+                               head_dim) -> None:
+    batch = make_paged_batch(SCENARIOS[scenario], block_size=block_size, num_kv_heads=2,
+                             group=group, head_dim=head_dim, dtype=torch.float32,
+                             device=torch.device("cpu"), seed=11)
+    plan = _plan(batch)
+    assert plan.kernel_decodes is not None and plan.decode_groups == ()
+    out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], plan, batch.scale)
+    ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                              batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    assert out.shape == batch.q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if head_dim == 16:  # the naive loop is slow
+        torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_and_many_heads(make_paged_batch, threads) -> None:
+    # 4 KV heads x G 4: work items split heads when there are few sequences
+    batch = make_paged_batch([(33, 1), (70, 1)], block_size=16, num_kv_heads=4, group=4,
+                             head_dim=32, dtype=torch.float32, device=torch.device("cpu"),
+                             seed=12)
+    ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                              batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], _plan(batch), batch.scale)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_direct_call_strided_q_writes_only_its_rows(make_paged_batch) -> None:
+    batch = make_paged_batch(SCENARIOS["decode"], block_size=8, num_kv_heads=2, group=3,
+                             head_dim=64, dtype=torch.float32, device=torch.device("cpu"), seed=13)
+    # q as the model hands it: rows of a wider fused projection
+    wide = torch.cat([batch.q, torch.randn(batch.q.shape[0], 4, 64)], dim=1)
+    q = wide[:, :6]
+    assert not q.is_contiguous()
+    ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                              batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    pick = torch.tensor([3, 0, 4])  # decodes 3, 0, 4 only, out of order
+    out = torch.full_like(batch.q, 7.0)
+    dac.decode_attention_cpu(q, batch.kv[0], batch.kv[1],
+                             batch.block_tables.to(torch.int64)[pick].clamp(min=0),
+                             batch.seq_lens.to(torch.int64)[pick], pick, out, batch.scale)
+    torch.testing.assert_close(out[pick], ref[pick], atol=1e-5, rtol=1e-5)
+    untouched = torch.tensor([1, 2])
+    assert torch.equal(out[untouched], torch.full_like(out[untouched], 7.0))
+
+
+def test_bad_input_raises() -> None:
+    q = torch.zeros(2, 6, 64)
+    cache = torch.zeros(4, 8, 2, 64)
+    tables = torch.zeros(2, 2, dtype=torch.int64)
+    lens = torch.tensor([3, 5])
+    rows = torch.arange(2)
+    out = torch.empty_like(q)
+    call = dac.decode_attention_cpu
+    with pytest.raises(ValueError, match="float32"):
+        call(q.double(), cache, cache, tables, lens, rows, out, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        call(q, cache, cache, tables.int(), lens, rows, out, 1.0)
+    with pytest.raises(ValueError, match="same D"):
+        call(torch.zeros(2, 6, 24), torch.zeros(4, 8, 2, 24), torch.zeros(4, 8, 2, 24), tables,
+             lens, rows, torch.zeros(2, 6, 24), 1.0)  # head dim 24 has no kernel
+    with pytest.raises(ValueError, match="same D"):
+        call(torch.zeros(2, 5, 64), cache, cache, tables, lens, rows, torch.zeros(2, 5, 64), 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        call(q, cache, cache, tables, lens, rows, torch.empty(3, 6, 64), 1.0)
+    with pytest.raises(ValueError, match="describe n"):
+        call(q, cache, cache, tables, lens[:1], rows, out, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.zeros(4, 8, 2, 128)[..., ::2]  # cache shape, not contiguous
+        call(q, strided, strided, tables, lens, rows, out, 1.0)
+    with pytest.raises(ValueError, match="decode_kernel"):
+        plan_cpu_attention([1], [3], tables[:1], 8, 8, decode_kernel="fast")
+
+
+def test_supports() -> None:
+    assert dac.supports(torch.float32, 9, 3, 64)
+    assert not dac.supports(torch.bfloat16, 9, 3, 64)
+    assert not dac.supports(torch.float32, 9, 3, 24)
+    assert not dac.supports(torch.float32, 8, 3, 64)
+
+
+@needs_kernel
+def test_build_is_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    first = dac._build("g++")
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert dac._build("g++") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp file left
+
+
+def test_missing_compiler_is_a_build_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(dac.KernelBuildError, match="not found"):
+        dac._build("no-such-c++-compiler")
+
+
+@needs_kernel
+def test_compile_error_is_a_build_error(tmp_path, monkeypatch) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("int conveyor_decode_attention_f32( {\n")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(dac, "SOURCE", broken)
+    with pytest.raises(dac.KernelBuildError, match="failed"):
+        dac._build("g++")
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []  # nothing half-written kept
