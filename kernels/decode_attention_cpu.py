@@ -31,7 +31,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
-CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+"""Compile flags. -ffast-math lets the softmax's exp vectorise (glibc's libmvec). It is
+given to the compile step only: at link time it would add crtfastmath.o, whose constructor
+sets flush-to-zero / denormals-are-zero for the whole process when the library loads and
+so would change torch's numerics too."""
+LINK_FLAGS = ("-shared", "-fopenmp")
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GQA_GROUP = 64
 
@@ -73,7 +78,8 @@ def _build(cxx: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{compiler} --version failed: {e}") from e
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(CXX_FLAGS).encode(), version.encode(),
+    flags = " ".join(CXX_FLAGS) + " | " + " ".join(LINK_FLAGS)
+    key = hashlib.sha256(b"\0".join([source, flags.encode(), version.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
     target = out_dir / f"decode_attention_cpu-{key}.so"
@@ -84,18 +90,21 @@ def _build(cxx: str) -> Path:
     # load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
-        proc = subprocess.run([compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed (exit {proc.returncode}): "
-                                   f"{proc.stderr.strip()[-2000:]}")
+        for cmd in ([compiler, *CXX_FLAGS, "-c", str(SOURCE), "-o", obj],
+                    [compiler, *LINK_FLAGS, obj, "-o", tmp]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
+                                       f"{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from e
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 

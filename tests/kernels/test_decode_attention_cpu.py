@@ -135,6 +135,23 @@ def test_build_is_cached(tmp_path, monkeypatch) -> None:
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp file left
 
 
+@needs_kernel
+def test_loading_keeps_denormals(tmp_path) -> None:
+    # -ffast-math at link time would add crtfastmath.o, which turns on flush-to-zero for the
+    # whole process when the library loads: torch's numerics would change with it.
+    import subprocess
+    import sys
+
+    code = ("from kernels import decode_attention_cpu as d; d.load_kernel(); "
+            "import torch; x = float('5e-324'); "
+            "assert x * float('1') != 0.0, 'DAZ set'; "
+            "t = torch.tensor([1e-40]); assert (t * 1.0).item() != 0.0, 'FTZ set'")
+    env = {**__import__("os").environ, "CONVEYOR_CACHE_DIR": str(tmp_path)}  # a fresh build
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_missing_compiler_is_a_build_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     with pytest.raises(dac.KernelBuildError, match="not found"):
