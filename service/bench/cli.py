@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from service.bench.arrivals import arrival_times
+from service.bench.batching_bound import batching_bound
 from service.bench.compare import CompareSpec
 from service.bench.engine_args import check_serve_args, serve_args
 from service.bench.metrics import Slo
@@ -173,6 +174,9 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
                     ignore_eos=a.ignore_eos, timeout_s=a.timeout, warmup=a.warmup)
     config = _config(a, plan, compare)
     _say(_describe(a, plan))
+    bound = _batching_bound(a, plan, compare)
+    if bound is not None:
+        config["batching_bound"] = bound
     runs: list[RunResult] = []
     if not a.no_server:
         runs += _server_runs(a, plan, compare, slo)
@@ -182,6 +186,11 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     table = comparison(runs)
     if table is not None:
         print(format_comparison(table), flush=True)
+    if bound is not None:
+        print(f"flat-step bound: with every step costing the same at any batch size, continuous "
+              f"batching needs {bound['continuous_steps']} decode steps and static "
+              f"{bound['static_steps']} for this workload and concurrency: continuous / static "
+              f"output tokens/s <= {bound['ratio']:.2f}x", flush=True)
     if a.json:
         write_json(a.json, document(config, argv, runs))
         _say(f"wrote {a.json}")
@@ -257,6 +266,17 @@ def _describe(a: argparse.Namespace, plan: LoadPlan) -> str:
             f"(mean {sum(ins) / len(ins):.0f}), output {min(outs)}-{max(outs)} "
             f"(mean {sum(outs) / len(outs):.0f}); {rate}; max concurrency "
             f"{plan.max_concurrency or 'unlimited'}; {plan.connections} connection(s)")
+
+
+def _batching_bound(a: argparse.Namespace, plan: LoadPlan,
+                    compare: CompareSpec | None) -> dict | None:
+    """For --compare batching=... with all requests at once: batching_bound's figures."""
+    if compare is None or compare.name != "batching" or not math.isinf(a.request_rate):
+        return None
+    b = batching_bound([s.max_tokens for s in plan.requests], max_num_seqs=a.max_num_seqs,
+                       max_concurrency=plan.max_concurrency)
+    return {"continuous_steps": b.continuous_steps, "static_steps": b.static_steps,
+            "ratio": round(b.ratio, 4)}
 
 
 def _config(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec | None) -> dict:

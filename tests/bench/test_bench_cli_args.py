@@ -96,3 +96,19 @@ def test_json_folder_is_created_before_any_work(tmp_path):
     _check_args(build_parser().parse_args(["--json", str(out), "--url",
                                            "ws://127.0.0.1:1/v1/stream"]))
     assert out.parent.is_dir() and not out.exists()
+
+
+def test_batching_bound_only_for_batching_compare_with_all_at_once_arrivals():
+    from service.bench.cli import _batching_bound
+
+    specs = tuple(RequestSpec(i, (1,), n) for i, n in enumerate([4, 1, 1, 1]))
+    plan = LoadPlan(specs, (0.0,) * 4, max_concurrency=2)
+    ns = build_parser().parse_args(["--max-num-seqs", "2"])
+    batching = CompareSpec.parse("batching=continuous,static")
+    # the hand-worked case of tests/bench/test_batching_bound.py
+    assert _batching_bound(ns, plan, batching) == {"continuous_steps": 4, "static_steps": 5,
+                                                   "ratio": 1.25}
+    assert _batching_bound(ns, plan, None) is None
+    assert _batching_bound(ns, plan, CompareSpec.parse("max_num_seqs=2,4")) is None
+    poisson = build_parser().parse_args(["--max-num-seqs", "2", "--request-rate", "3"])
+    assert _batching_bound(poisson, plan, batching) is None
