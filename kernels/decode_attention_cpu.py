@@ -85,11 +85,15 @@ def _build(cxx: str) -> Path:
     target = out_dir / f"decode_attention_cpu-{key}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent builders (several servers) never
     # load a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel build to {out_dir} ({e}); "
+                               "set CONVEYOR_CACHE_DIR to a writable folder") from e
     obj = tmp[:-3] + ".o"
     try:
         for cmd in ([compiler, *CXX_FLAGS, "-c", str(SOURCE), "-o", obj],

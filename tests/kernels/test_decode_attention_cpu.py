@@ -158,6 +158,14 @@ def test_missing_compiler_is_a_build_error(tmp_path, monkeypatch) -> None:
         dac._build("no-such-c++-compiler")
 
 
+def test_unwritable_cache_dir_is_a_build_error(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(blocker))  # kernels/ cannot be made under it
+    with pytest.raises(dac.KernelBuildError, match="CONVEYOR_CACHE_DIR"):
+        dac._build("g++")
+
+
 @needs_kernel
 def test_compile_error_is_a_build_error(tmp_path, monkeypatch) -> None:
     broken = tmp_path / "broken.cpp"
