@@ -10,7 +10,8 @@ sequences of 300-1000 tokens (``perf``-style microbenchmark, side by side).
 
 Source: ``kernels/csrc/decode_attention_cpu.cpp``. It is compiled once per
 machine with the system C++ compiler (``$CXX``, default ``g++``) into
-``$CONVEYOR_CACHE_DIR`` (default ``~/.cache/conveyor``) under a name hashed
+``$CONVEYOR_CACHE_DIR/kernels`` (default ``$XDG_CACHE_HOME/conveyor/kernels``,
+i.e. ``~/.cache/conveyor/kernels``) under a name hashed
 from the source, the flags, the compiler's version and the CPU's flags, and
 loaded with ctypes (no torch headers: it builds in about a second). It uses
 OpenMP through the ``libgomp.so.1`` torch has already loaded, so torch and the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -68,15 +70,20 @@ def _cpu_flags() -> str:
 
 
 def _build(cxx: str) -> Path:
-    """Compile SOURCE unless a build for this source, compiler and CPU is cached."""
-    compiler = shutil.which(cxx)
-    if compiler is None:
+    """Compile SOURCE unless a build for this source, compiler and CPU is cached.
+
+    cxx: the compiler command, possibly with a wrapper or arguments ("ccache g++").
+    """
+    words = shlex.split(cxx)
+    found = shutil.which(words[0]) if words else None
+    if found is None:
         raise KernelBuildError(f"C++ compiler {cxx!r} not found (set CXX or install g++)")
+    compiler = [found, *words[1:]]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"{compiler} --version failed: {e}") from e
+        raise KernelBuildError(f"{cxx} --version failed: {e}") from e
     source = SOURCE.read_bytes()
     flags = " ".join(CXX_FLAGS) + " | " + " ".join(LINK_FLAGS)
     key = hashlib.sha256(b"\0".join([source, flags.encode(), version.encode(),
@@ -96,12 +103,13 @@ def _build(cxx: str) -> Path:
                                "set CONVEYOR_CACHE_DIR to a writable folder") from e
     obj = tmp[:-3] + ".o"
     try:
-        for cmd in ([compiler, *CXX_FLAGS, "-c", str(SOURCE), "-o", obj],
-                    [compiler, *LINK_FLAGS, obj, "-o", tmp]):
+        for cmd in ([*compiler, *CXX_FLAGS, "-c", str(SOURCE), "-o", obj],
+                    [*compiler, *LINK_FLAGS, obj, "-o", tmp]):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise KernelBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
                                        f"{proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o644)  # mkstemp made it 0600: let others sharing the cache load it
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from e
@@ -136,7 +144,8 @@ def load_kernel() -> ctypes.CDLL:
             raise _error from e
         fn = lib.conveyor_decode_attention_f32
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
+                       ctypes.c_float, i32]
         fn.restype = i32
         _lib = lib
         return lib
@@ -190,13 +199,15 @@ def decode_attention_cpu(
         scale: softmax scale, usually D ** -0.5.
 
     Raises:
-        ValueError: a dtype, device, shape or stride outside the above, or a head
-            layout the kernel does not support (``supports``).
+        ValueError: a dtype, device, shape or stride outside the above, a head
+            layout the kernel does not support (``supports``), a seq_len < 1 or longer
+            than the table, a row out of range or repeated, or a block id outside the
+            cache.
         KernelBuildError: the kernel could not be built or loaded.
 
-    The lengths and block ids are not range-checked here (a per-step check would cost
-    more than the kernel at small batches): the model runner builds them from the
-    block pool. Out-of-range values read outside the cache.
+    The kernel checks seq_lens, rows and the block ids it will read before touching
+    memory (ValueError, nothing written); entries of a table row past a context's
+    blocks are not read and may hold anything.
     """
     _, num_q_heads, head_dim = q.shape
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -229,8 +240,17 @@ def decode_attention_cpu(
         return
     fn = load_kernel().conveyor_decode_attention_f32
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), rows.data_ptr(),
-            out.data_ptr(), n, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+            seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), out.shape[0],
+            k_cache.shape[0], n, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
             torch.get_num_threads())
-    if rc != 0:  # supports() said yes, so this is a mismatch between Python and C++
-        raise ValueError(f"decode attention kernel rejected its arguments (code {rc})")
+    if rc != 0:
+        raise ValueError(_KERNEL_ERRORS.get(rc, f"decode attention kernel error {rc}"))
+
+
+_KERNEL_ERRORS = {
+    1: "decode attention kernel: unsupported head layout or a non-positive size",
+    2: "seq_lens must be >= 1 and fit block_tables' width in blocks",
+    3: "rows must be distinct rows of out",
+    4: "block_tables holds a block id outside the cache among the blocks a context needs",
+}

@@ -54,6 +54,8 @@ class ModelRunner:
             # One intra-op thread per core this process may use. Call from the thread
             # that runs the steps: OpenMP's thread count is per calling thread.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+        if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
+            self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
         self.ops = select_ops(mc.attention_backend, self.device)
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
@@ -86,6 +88,16 @@ class ModelRunner:
                  self.num_blocks, cc.block_size, self.kv_cache_bytes / 2**20,
                  self.num_swap_blocks)
 
+    @staticmethod
+    def _check_kernel_builds() -> None:
+        """Raises ValueError when the C++ decode kernel does not build (cpu_decode_kernel cpp)."""
+        from kernels import decode_attention_cpu as dac
+
+        problem = dac.build_problem()
+        if problem is not None:
+            raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
+                             f"used: {problem}")
+
     def _choose_decode_kernel(self, setting: str) -> str:
         """The torch path's decode attention: "cpp" or "sdpa" ("none" on Triton).
 
@@ -96,6 +108,7 @@ class ModelRunner:
         from kernels import decode_attention_cpu as dac
 
         m = self.model
+        build_failed = False
         if self.ops.name != "torch":
             applies, why = False, f"the {self.ops.name} kernels run attention"
         elif self.device.type != "cpu":
@@ -110,13 +123,16 @@ class ModelRunner:
                 try:
                     dac.load_kernel()
                 except dac.KernelBuildError as e:
-                    applies, why = False, str(e)
+                    applies, why, build_failed = False, str(e), True
         if setting == "cpp" and not applies:
-            raise ValueError(f"cpu_decode_kernel 'cpp' cannot be used: {why}")
+            raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
+                             f"used: {why}")
         if self.ops.name != "torch":
             return "none"
         if setting == "auto" and not applies:
-            log.warning("decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
+            # a failed build deserves a warning; a device or model it does not cover does not
+            log.log(logging.WARNING if build_failed else logging.INFO,
+                    "decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
             return "sdpa"
         return "sdpa" if setting == "sdpa" else "cpp"
 

@@ -126,15 +126,33 @@ void run(const float* q, int64_t q_row_stride, const float* k_cache, const float
 
 extern "C" {
 
-// Returns 0 on success; 1 for a head dim not listed below, or Hq not a multiple of Hkv,
-// or a GQA group wider than kMaxHeads query heads.
+// Returns 0 on success, else (nothing written):
+//   1  a head dim not listed below, Hq not a multiple of Hkv, a GQA group wider than
+//      kMaxHeads query heads, or a non-positive size;
+//   2  a seq_len < 1, or one needing more than table_width blocks;
+//   3  a row outside [0, num_rows), or the same row twice;
+//   4  a block id outside [0, num_blocks) among the blocks a context needs.
+// The checks read n + sum(ceil(seq_len / block_size)) integers: microseconds.
 int conveyor_decode_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
                                   const float* v_cache, const int64_t* tables,
-                                  int64_t table_stride, const int64_t* seq_lens,
-                                  const int64_t* rows, float* out, int n, int Hq, int Hkv,
+                                  int64_t table_stride, int64_t table_width,
+                                  const int64_t* seq_lens, const int64_t* rows, float* out,
+                                  int64_t num_rows, int64_t num_blocks, int n, int Hq, int Hkv,
                                   int head_dim, int block_size, float scale, int num_threads) {
-  if (Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > kMaxHeads || block_size <= 0 || num_threads <= 0)
+  if (Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > kMaxHeads || block_size <= 0 || num_threads <= 0 ||
+      n < 0 || num_rows < 0 || num_blocks <= 0)
     return 1;
+  std::vector<char> seen(static_cast<size_t>(num_rows), 0);
+  for (int i = 0; i < n; ++i) {
+    const int64_t ctx = seq_lens[i];
+    if (ctx < 1 || (ctx + block_size - 1) / block_size > table_width) return 2;
+    const int64_t row = rows[i];
+    if (row < 0 || row >= num_rows || seen[row]) return 3;
+    seen[row] = 1;
+    const int64_t* table = tables + i * table_stride;
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b)
+      if (table[b] < 0 || table[b] >= num_blocks) return 4;
+  }
   switch (head_dim) {
 #define CONVEYOR_CASE(DIM)                                                                    \
   case DIM:                                                                                   \

@@ -269,9 +269,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
             raise ValueError(f"--quantization values must be none or int8, got {q!r}")
         quants.append(None if q.strip() == "none" else q.strip())
     kernels = [k.strip() for k in a.cpu_decode_kernel.split(",")]
-    if any(k not in ("auto", "cpp", "sdpa") for k in kernels):
-        raise ValueError(f"--cpu-decode-kernel values must be auto, cpp or sdpa, "
+    if any(k not in ("auto", "cpp", "sdpa") for k in kernels) or len(set(kernels)) < len(kernels):
+        raise ValueError(f"--cpu-decode-kernel values must be distinct among auto, cpp, sdpa, "
                          f"got {a.cpu_decode_kernel!r}")
+    if "auto" in kernels and len(kernels) > 1:  # auto is cpp or sdpa: it would repeat one
+        raise ValueError("--cpu-decode-kernel auto cannot be listed with cpp or sdpa")
     models = [(q, k) for q in quants for k in kernels]
     threads = _int_list(a.threads, "threads") if a.threads else [len(os.sched_getaffinity(0))]
     for name in ("context", "steps", "prefill_steps", "rounds"):
@@ -288,8 +290,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
 
 
 def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
+    widths = [max(12, len(s)) for s in SECTIONS]
     head = (f"{'scenario':<12} {'variant':<14} {'tok/s':>8} {'steps/s':>8} {'ms/step':>8} |"
-            + "".join(f" {s[:12]:>12}" for s in SECTIONS))
+            + "".join(f" {s:>{w}}" for s, w in zip(SECTIONS, widths)))
     lines = [head, "-" * len(head)]
     for scenario, by_variant in results.items():
         for variant, r in by_variant.items():
@@ -297,7 +300,7 @@ def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
             assert isinstance(sec, dict)
             lines.append(f"{scenario:<12} {variant:<14} {r['tokens_per_s']:>8.1f} "
                          f"{r['steps_per_s']:>8.2f} {r['ms_per_step_median']:>8.2f} |"
-                         + "".join(f" {sec[s]:>12.3f}" for s in SECTIONS))
+                         + "".join(f" {sec[s]:>{w}.3f}" for s, w in zip(SECTIONS, widths)))
     return "\n".join(lines)
 
 
@@ -324,9 +327,6 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
         # e.g. "int8/cpp/2t"; the kernel is the one the runner resolved "auto" to
         return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}t"
 
-    if len({label(*v) for v in variants}) < len(variants):
-        raise ValueError("two variants resolve to the same decode kernel (e.g. auto and cpp): "
-                         "list each kernel once")
     stats: dict[str, dict[str, list[RunStats]]] = {sc.name: {label(*v): [] for v in variants}
                                                    for sc in scenarios}
     for sc in scenarios:

@@ -112,3 +112,5 @@ def test_batching_bound_only_for_batching_compare_with_all_at_once_arrivals():
     assert _batching_bound(ns, plan, CompareSpec.parse("max_num_seqs=2,4")) is None
     poisson = build_parser().parse_args(["--max-num-seqs", "2", "--request-rate", "3"])
     assert _batching_bound(poisson, plan, batching) is None
+    eos = LoadPlan(specs, (0.0,) * 4, max_concurrency=2, ignore_eos=False)  # lengths unknown
+    assert _batching_bound(ns, eos, batching) is None

@@ -37,7 +37,9 @@ def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> N
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--threads", "0"],
                                   ["--decode-seqs", "", "--prefill-len", "0"],
                                   ["--steps", "0"], ["--decode-seqs", "a"],
-                                  ["--cpu-decode-kernel", "fast"]])
+                                  ["--cpu-decode-kernel", "fast"],
+                                  ["--cpu-decode-kernel", "auto,cpp"],
+                                  ["--cpu-decode-kernel", "cpp,cpp"]])
 def test_bad_arguments_exit_2(argv, capsys) -> None:
     assert main(argv) == 2
     assert "engine-only bench" in capsys.readouterr().err

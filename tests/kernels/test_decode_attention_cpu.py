@@ -90,6 +90,49 @@ def test_direct_call_strided_q_writes_only_its_rows(make_paged_batch) -> None:
     assert torch.equal(out[untouched], torch.full_like(out[untouched], 7.0))
 
 
+@needs_kernel
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(80, 2, 3), (96, 1, 7), (256, 2, 2),
+                                                         (32, 1, 64), (128, 5, 1)])
+def test_other_head_layouts_and_long_contexts(head_dim, num_kv_heads, group) -> None:
+    # contexts of several hundred tokens over block size 16, ending mid-block; G up to 64
+    from tests.kernels.conftest import build_paged_batch
+
+    batch = build_paged_batch([(700, 1), (333, 1), (17, 1)], block_size=16,
+                              num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                              dtype=torch.float32, device=torch.device("cpu"), seed=14)
+    out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], _plan(batch), batch.scale)
+    ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                              batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_checks_lengths_rows_and_block_ids() -> None:
+    q = torch.randn(3, 6, 64)
+    cache = torch.randn(4, 8, 2, 64)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    lens = torch.tensor([9, 16])
+    rows = torch.tensor([0, 2])
+    call = dac.decode_attention_cpu
+    out = torch.full_like(q, 7.0)
+    call(q, cache, cache, tables, lens, rows, out, 0.125)  # valid: fine
+    for bad_lens, match in ((torch.tensor([0, 16]), "seq_lens"),
+                            (torch.tensor([9, 17]), "seq_lens")):  # 17 tokens need 3 blocks
+        with pytest.raises(ValueError, match=match):
+            call(q, cache, cache, tables, bad_lens, rows, out, 0.125)
+    for bad_rows in (torch.tensor([0, 3]), torch.tensor([-1, 0]), torch.tensor([2, 2])):
+        with pytest.raises(ValueError, match="rows"):
+            call(q, cache, cache, tables, lens, bad_rows, out, 0.125)
+    with pytest.raises(ValueError, match="block id"):
+        call(q, cache, cache, torch.tensor([[0, 4], [2, 3]]), lens, rows, out, 0.125)
+    # block ids past a context's blocks are never read: anything is allowed there
+    call(q, cache, cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([8, 16]), rows, out, 0.125)
+    clean = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError):
+        call(q, cache, cache, tables, torch.tensor([9, 0]), rows, clean, 0.125)
+    assert torch.equal(clean, torch.full_like(q, 7.0))  # nothing written on an error
+
+
 def test_bad_input_raises() -> None:
     q = torch.zeros(2, 6, 64)
     cache = torch.zeros(4, 8, 2, 64)
@@ -133,6 +176,13 @@ def test_build_is_cached(tmp_path, monkeypatch) -> None:
     mtime = first.stat().st_mtime_ns
     assert dac._build("g++") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp file left
+    assert first.stat().st_mode & 0o777 == 0o644  # others sharing the cache can load it
+
+
+@needs_kernel
+def test_cxx_may_carry_a_wrapper_or_arguments(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    assert dac._build("env g++").exists()  # e.g. CXX="ccache g++"
 
 
 @needs_kernel
