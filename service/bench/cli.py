@@ -30,7 +30,7 @@ from pathlib import Path
 from service.bench.arrivals import arrival_times
 from service.bench.batching_bound import batching_bound
 from service.bench.compare import CompareSpec
-from service.bench.engine_args import check_serve_args, serve_args
+from service.bench.engine_args import check_serve_args, engine_parser, serve_args
 from service.bench.metrics import Slo
 from service.bench.peers import PEER_NOTES, PEERS, load_hf_model, run_peer
 from service.bench.plan import LoadPlan, auto_connections
@@ -274,11 +274,13 @@ def _describe(a: argparse.Namespace, plan: LoadPlan) -> str:
 def _batching_bound(a: argparse.Namespace, plan: LoadPlan,
                     compare: CompareSpec | None) -> dict | None:
     """For --compare batching=... with all requests at once and output lengths forced
-    (ignore_eos): batching_bound's figures, at the bench's --max-num-seqs."""
+    (ignore_eos): batching_bound's figures, at the servers' max_num_seqs (--server-args
+    may override the bench's --max-num-seqs)."""
     if (compare is None or compare.name != "batching" or not math.isinf(a.request_rate)
             or not plan.ignore_eos):
         return None
-    b = batching_bound([s.max_tokens for s in plan.requests], max_num_seqs=a.max_num_seqs,
+    served = engine_parser().parse_known_args(serve_args(a) + shlex.split(a.server_args))[0]
+    b = batching_bound([s.max_tokens for s in plan.requests], max_num_seqs=served.max_num_seqs,
                        max_concurrency=plan.max_concurrency)
     return {"continuous_steps": b.continuous_steps, "static_steps": b.static_steps,
             "ratio": round(b.ratio, 4)}

@@ -114,3 +114,8 @@ def test_batching_bound_only_for_batching_compare_with_all_at_once_arrivals():
     assert _batching_bound(poisson, plan, batching) is None
     eos = LoadPlan(specs, (0.0,) * 4, max_concurrency=2, ignore_eos=False)  # lengths unknown
     assert _batching_bound(ns, eos, batching) is None
+    # --server-args wins over --max-num-seqs, as it does for the servers: 4 slots, then
+    # continuous [4,1] -> [3,1] -> [2,1] -> [1] (4 steps); static [4,1] 4, [1,1] 1 (5 steps)
+    wider = build_parser().parse_args(["--max-num-seqs", "1", "--server-args",
+                                       "--max-num-seqs 2"])
+    assert _batching_bound(wider, plan, batching)["static_steps"] == 5
