@@ -222,7 +222,8 @@ def _text_tokens(loaded: LoadedModel, needed: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conveyor bench --engine-only",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="none", metavar="LIST",
@@ -245,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, metavar="N",
                    help="rounds; the variants take turns within each round")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps per scenario")
-    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS")
+    p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
+                   help="tokens per KV block")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p
 
