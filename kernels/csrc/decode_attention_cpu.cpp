@@ -26,6 +26,21 @@ namespace {
 
 constexpr int kMaxHeads = 64;  // query heads per work item
 
+// Calls f(t, row) for t = 0..ctx-1 in order, row = the token's [Hkv, D] slice of `cache`
+// found through the block table; prefetches the next block (block ids are scattered, so the
+// hardware prefetcher cannot guess it).
+template <class F>
+inline void for_each_token(const float* cache, const int64_t* table, int64_t ctx,
+                           int block_size, int64_t token_stride, F&& f) {
+  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+    const int64_t base = table[t0 / block_size] * block_size;
+    if (t0 + block_size < ctx)
+      __builtin_prefetch(cache + table[t0 / block_size + 1] * block_size * token_stride);
+    const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - t0));
+    for (int j = 0; j < nt; ++j) f(t0 + j, cache + (base + j) * token_stride);
+  }
+}
+
 // Decode i, KV heads [h0, h1): scores, softmax and output of their G * (h1 - h0) query heads.
 template <int D>
 void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
@@ -36,26 +51,20 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   float* s = scores.data();
   const int64_t token_stride = static_cast<int64_t>(Hkv) * D;
   // Pass 1: s[hq * ctx + t] = scale * q_hq . k_t(hq's KV head)
-  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-    const int64_t base = table[t0 / block_size] * block_size;
-    if (t0 + block_size < ctx)
-      __builtin_prefetch(k_cache + table[t0 / block_size + 1] * block_size * token_stride);
-    const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - t0));
-    for (int j = 0; j < nt; ++j) {
-      const float* krow = k_cache + (base + j) * token_stride;
-      for (int h = h0; h < h1; ++h) {
-        const float* k = krow + static_cast<int64_t>(h) * D;
-        for (int g = 0; g < G; ++g) {
-          const int hq = (h - h0) * G + g;
-          const float* qh = q + static_cast<int64_t>(hq) * D;
-          float acc = 0.f;
+  for_each_token(k_cache, table, ctx, block_size, token_stride,
+                 [&](int64_t t, const float* krow) {
+    for (int h = h0; h < h1; ++h) {
+      const float* k = krow + static_cast<int64_t>(h) * D;
+      for (int g = 0; g < G; ++g) {
+        const int hq = (h - h0) * G + g;
+        const float* qh = q + static_cast<int64_t>(hq) * D;
+        float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-          for (int d = 0; d < D; ++d) acc += qh[d] * k[d];
-          s[hq * ctx + t0 + j] = acc * scale;
-        }
+        for (int d = 0; d < D; ++d) acc += qh[d] * k[d];
+        s[hq * ctx + t] = acc * scale;
       }
     }
-  }
+  });
   // Softmax of each query head's scores (exp vectorised).
   float inv_sum[kMaxHeads];
   for (int hq = 0; hq < heads; ++hq) {
@@ -74,24 +83,18 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   float acc[kMaxHeads][D];
   for (int hq = 0; hq < heads; ++hq)
     for (int d = 0; d < D; ++d) acc[hq][d] = 0.f;
-  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-    const int64_t base = table[t0 / block_size] * block_size;
-    if (t0 + block_size < ctx)
-      __builtin_prefetch(v_cache + table[t0 / block_size + 1] * block_size * token_stride);
-    const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - t0));
-    for (int j = 0; j < nt; ++j) {
-      const float* vrow = v_cache + (base + j) * token_stride;
-      for (int h = h0; h < h1; ++h) {
-        const float* v = vrow + static_cast<int64_t>(h) * D;
-        for (int g = 0; g < G; ++g) {
-          const int hq = (h - h0) * G + g;
-          const float p = s[hq * ctx + t0 + j];
+  for_each_token(v_cache, table, ctx, block_size, token_stride,
+                 [&](int64_t t, const float* vrow) {
+    for (int h = h0; h < h1; ++h) {
+      const float* v = vrow + static_cast<int64_t>(h) * D;
+      for (int g = 0; g < G; ++g) {
+        const int hq = (h - h0) * G + g;
+        const float p = s[hq * ctx + t];
 #pragma omp simd
-          for (int d = 0; d < D; ++d) acc[hq][d] += p * v[d];
-        }
+        for (int d = 0; d < D; ++d) acc[hq][d] += p * v[d];
       }
     }
-  }
+  });
   for (int hq = 0; hq < heads; ++hq)
     for (int d = 0; d < D; ++d) out[static_cast<int64_t>(hq) * D + d] = acc[hq][d] * inv_sum[hq];
 }

@@ -93,13 +93,12 @@ def test_direct_call_strided_q_writes_only_its_rows(make_paged_batch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("head_dim,num_kv_heads,group", [(80, 2, 3), (96, 1, 7), (256, 2, 2),
                                                          (32, 1, 64), (128, 5, 1)])
-def test_other_head_layouts_and_long_contexts(head_dim, num_kv_heads, group) -> None:
+def test_other_head_layouts_and_long_contexts(make_paged_batch, head_dim, num_kv_heads,
+                                              group) -> None:
     # contexts of several hundred tokens over block size 16, ending mid-block; G up to 64
-    from tests.kernels.conftest import build_paged_batch
-
-    batch = build_paged_batch([(700, 1), (333, 1), (17, 1)], block_size=16,
-                              num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                              dtype=torch.float32, device=torch.device("cpu"), seed=14)
+    batch = make_paged_batch([(700, 1), (333, 1), (17, 1)], block_size=16,
+                             num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=14)
     out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], _plan(batch), batch.scale)
     ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
                               batch.seq_lens, batch.cu_seqlens_q, batch.scale)
