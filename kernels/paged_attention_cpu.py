@@ -176,10 +176,10 @@ def plan_cpu_attention(
     if decode_kernel == "cpp":
         kernel = None
         if decodes:
-            seqs = torch.tensor([b for _, b, _ in decodes], device=device)
             kernel = KernelDecodes(
                 rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.int64, device=device),
-                block_tables=(tables if len(decodes) == num_seqs else tables[seqs]).contiguous(),
+                block_tables=(tables if len(decodes) == num_seqs else tables[
+                    torch.tensor([b for _, b, _ in decodes], device=device)]).contiguous(),
                 seq_lens=torch.tensor([c for _, _, c in decodes], dtype=torch.int64,
                                       device=device))
         return CpuAttentionPlan(row, (), tuple(prefills), False, kernel)

@@ -119,11 +119,9 @@ class ModelRunner:
                                    f"(fp32, D in {dac.HEAD_DIMS})")
         else:
             applies, why = True, ""
-            if setting != "sdpa":
-                try:
-                    dac.load_kernel()
-                except dac.KernelBuildError as e:
-                    applies, why, build_failed = False, str(e), True
+            problem = dac.build_problem() if setting != "sdpa" else None
+            if problem is not None:
+                applies, why, build_failed = False, problem, True
         if setting == "cpp" and not applies:
             raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
                              f"used: {why}")
