@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cpu-decode-kernel", default="auto", choices=["auto", "cpp", "sdpa"],
                    help="CPU decode attention: cpp (our C++ kernel, built with g++ on first "
                         "use), sdpa (torch), auto = cpp when it builds (fp32), else sdpa")
+    m.add_argument("--num-threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the forward (torch and the C++ kernels); default: "
+                        "the CPUs this process may use, capped by its cgroup CPU quota")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
     m.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -98,7 +101,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len,
-                          cpu_decode_kernel=a.cpu_decode_kernel,
+                          cpu_decode_kernel=a.cpu_decode_kernel, num_threads=a.num_threads,
                           quantization=None if a.quantization == "none" else a.quantization),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,

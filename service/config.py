@@ -34,6 +34,9 @@ class ModelConfig:
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
         or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
+        which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
+        the cgroup CPU quota (`service.cpu_threads.default_num_threads`).
     """
 
     model: str | None = None
@@ -43,6 +46,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     cpu_decode_kernel: str = "auto"
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -55,6 +59,9 @@ class ModelConfig:
                ">= 1 tokens", self.max_model_len)
         _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
+        _check(self.num_threads is None or (isinstance(self.num_threads, int)
+                                            and self.num_threads >= 1),
+               "num_threads", "None or an int >= 1", self.num_threads)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),

@@ -8,7 +8,6 @@ loop's worker thread; nothing here touches asyncio.
 from __future__ import annotations
 
 import logging
-import os
 from itertools import chain
 
 import torch
@@ -17,6 +16,7 @@ from protocol import SamplingParams
 from kernels import plan_attention_work, select_ops
 from kernels.paged_attention_cpu import plan_cpu_attention
 from service.config import EngineConfig
+from service.cpu_threads import default_num_threads
 from service.loader import LoadedModel, load_model
 from service.model import AttentionMetadata, LlamaModel, SectionTimer
 from service.quantization import calibration_token_ids
@@ -51,9 +51,10 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
         if self.device.type == "cpu":
-            # One intra-op thread per core this process may use. Call from the thread
-            # that runs the steps: OpenMP's thread count is per calling thread.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+            # One intra-op thread per CPU this process may use (affinity and cgroup
+            # quota). Call from the thread that runs the steps: OpenMP's thread count is
+            # per calling thread, and the C++ decode kernel's parallel region inherits it.
+            torch.set_num_threads(mc.num_threads or default_num_threads())
         if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
