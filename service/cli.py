@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-threads", type=int, default=None, metavar="N",
                    help="CPU threads for the forward (torch and the C++ kernels); default: "
                         "the CPUs this process may use, capped by its cgroup CPU quota")
+    m.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: use fewer threads than --num-threads while a step measures "
+                        "faster so (a busy neighbour took a core); --no-adaptive-threads pins it")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
     m.add_argument("--quantization", default="none", choices=["none", "int8"],
@@ -102,6 +105,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len,
                           cpu_decode_kernel=a.cpu_decode_kernel, num_threads=a.num_threads,
+                          adaptive_threads=a.adaptive_threads,
                           quantization=None if a.quantization == "none" else a.quantization),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,

@@ -37,6 +37,9 @@ class ModelConfig:
     num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
         which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
         the cgroup CPU quota (`service.cpu_threads.default_num_threads`).
+    adaptive_threads: on the CPU, let the step loop run with fewer threads than
+        num_threads while that measures faster (a busy neighbour took a core;
+        `service.thread_tuner`); False pins num_threads.
     """
 
     model: str | None = None
@@ -47,6 +50,7 @@ class ModelConfig:
     quantization: str | None = None
     cpu_decode_kernel: str = "auto"
     num_threads: int | None = None
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",

@@ -8,6 +8,7 @@ loop's worker thread; nothing here touches asyncio.
 from __future__ import annotations
 
 import logging
+import time
 from itertools import chain
 
 import torch
@@ -17,6 +18,7 @@ from kernels import plan_attention_work, select_ops
 from kernels.paged_attention_cpu import plan_cpu_attention
 from service.config import EngineConfig
 from service.cpu_threads import default_num_threads
+from service.thread_tuner import ThreadTuner
 from service.loader import LoadedModel, load_model
 from service.model import AttentionMetadata, LlamaModel, SectionTimer
 from service.quantization import calibration_token_ids
@@ -50,11 +52,18 @@ class ModelRunner:
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
+        threads = mc.num_threads or default_num_threads()
         if self.device.type == "cpu":
             # One intra-op thread per CPU this process may use (affinity and cgroup
             # quota). Call from the thread that runs the steps: OpenMP's thread count is
             # per calling thread, and the C++ decode kernel's parallel region inherits it.
-            torch.set_num_threads(mc.num_threads or default_num_threads())
+            torch.set_num_threads(threads)
+        # Steps ask it how many threads to run with (fewer while a busy neighbour makes
+        # that faster) and tell it how long they took.
+        self.thread_tuner: ThreadTuner | None = (
+            ThreadTuner(threads) if self.device.type == "cpu" and mc.adaptive_threads
+            and threads > 1 else None)
+        self._tuner_logged = 0
         if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
@@ -275,11 +284,31 @@ class ModelRunner:
         self.swap_caches = []
         self.model = None  # type: ignore[assignment]
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns {request_id: sampled token} for sequences that sample.
 
-        Raises RuntimeError after `release()`."""
+        With a thread tuner (CPU, adaptive_threads), the step runs with the thread count
+        it asks for and its wall time is reported back. Raises RuntimeError after
+        `release()`."""
+        tuner = self.thread_tuner
+        if tuner is None or not out.sequences:
+            return self._execute(out)
+        n = tuner.threads_for_next_step()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)  # this thread's OpenMP team, the C++ kernel's too
+        t0 = time.perf_counter()
+        sampled = self._execute(out)
+        tuner.observe(time.perf_counter() - t0, out.num_batched_tokens)
+        if len(tuner.history) != self._tuner_logged:
+            self._tuner_logged = len(tuner.history)
+            _, was, now, ratio = tuner.history[-1]
+            if was != now:
+                log.info("threads: %d -> %d (a step took %.2fx the time with %d)",
+                         was, now, ratio, now)
+        return sampled
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         if self.model is None:
             raise RuntimeError("the model runner was released (its engine is closed)")
         tm = self.timer
