@@ -63,7 +63,6 @@ class ModelRunner:
         self.thread_tuner: ThreadTuner | None = (
             ThreadTuner(threads) if self.device.type == "cpu" and mc.adaptive_threads
             and threads > 1 else None)
-        self._tuner_logged = 0
         if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
@@ -298,13 +297,10 @@ class ModelRunner:
             torch.set_num_threads(n)  # this thread's OpenMP team, the C++ kernel's too
         t0 = time.perf_counter()
         sampled = self._execute(out)
-        tuner.observe(time.perf_counter() - t0, out.num_batched_tokens)
-        if len(tuner.history) != self._tuner_logged:
-            self._tuner_logged = len(tuner.history)
-            _, was, now, ratio = tuner.history[-1]
-            if was != now:
-                log.info("threads: %d -> %d (a step took %.2fx the time with %d)",
-                         was, now, ratio, now)
+        decision = tuner.observe(time.perf_counter() - t0, out.num_batched_tokens)
+        if decision is not None and decision[1] != decision[2]:
+            log.info("threads: %d -> %d (steps took %.2fx the time with %d)",
+                     decision[1], decision[2], decision[3], decision[2])
         return sampled
 
     @torch.inference_mode()

@@ -119,21 +119,24 @@ class ThreadTuner:
         p = self._probe
         return self.current if p is None else p.plan[p.step]
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """Record the step just run (wall seconds, tokens it processed); a probe that has
-        all its steps decides here."""
+    def observe(self, seconds: float, tokens: int) -> tuple[float, int, int, float | None] | None:
+        """Record the step just run (wall seconds, tokens it processed). A probe that has
+        all its steps decides here: returns its `history` entry (time, from, to, ratio;
+        from == to when the count stays), else None."""
         if not (seconds > 0 and math.isfinite(seconds)) or tokens < 1:
-            return
+            return None
         b = _bucket(tokens)
         p = self._probe
         if p is None:
             self._steady(b, seconds)
-            return
+            return None
         if p.counted[p.step]:
             p.samples.setdefault(p.plan[p.step], {}).setdefault(b, []).append(seconds)
         p.step += 1
-        if p.step == len(p.plan):
-            self._decide(p)
+        if p.step < len(p.plan):
+            return None
+        self._decide(p)
+        return self.history[-1]
 
     def _steady(self, b: int, seconds: float) -> None:
         base = self._baseline.get(b)

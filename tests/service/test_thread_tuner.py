@@ -55,6 +55,7 @@ def test_a_probe_interleaves_blocks_and_adopts_a_faster_candidate() -> None:
     assert used == [1] * 4 + [2] * 4 + [1] * 4 + [2] * 4  # c n c n, starting at once
     assert tuner.current == 1 and not tuner.probing
     (when, was, now, ratio), = tuner.history
+    assert tuner.observe(0.05, 1) is None  # steady steps decide nothing
     assert (was, now) == (2, 1) and ratio == pytest.approx(1 / 3)
     assert run_steps(tuner, clock, lambda n, t: 0.05, 5) == [1] * 5  # steady until due
 
