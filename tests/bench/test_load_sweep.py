@@ -12,6 +12,7 @@ from service.bench.load_sweep import (DEFAULT_LOAD_SLO, SweepPoint, arrival_rate
                                       sweep_json)
 from service.bench.metrics import Slo, compute_metrics
 from service.bench.record import RequestRecord
+from service.bench.request_spec import RequestSpec
 
 
 def _rec(i: int, sent: float, first: float, last: float, tokens: int, done: float | None = None,
@@ -123,3 +124,58 @@ def test_plot(tmp_path) -> None:
 def test_load_argument_errors_exit_2_before_anything_starts(argv, capsys) -> None:
     assert main(argv) == 2
     assert "--load" in capsys.readouterr().err
+
+
+def test_one_invocation_runs_closed_loop_then_each_mode_at_each_load(tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    """The orchestration of --load through cli.main, with each `conveyor serve` run replaced
+    by records made up from the plan it was given (no server, no model)."""
+    import json
+
+    import service.bench.cli as cli
+    from service.bench.run_result import RunResult
+    from service.bench.runner import new_records
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: object())
+    monkeypatch.setattr(cli, "build_workload",
+                        lambda *a, **k: [RequestSpec(i, (1, 2, 3), 4 + i) for i in range(6)])
+    calls = []
+
+    def fake_run(a, label, args, plan, slo):
+        calls.append((label, args, plan.arrivals))
+        recs = new_records(plan)
+        for r in recs:  # 0.5 s to the first token, then 10 ms a token
+            r.sent_s = r.scheduled_s
+            r.delta_times_s = [r.sent_s + 0.5 + 0.01 * k for k in range(r.max_tokens)]
+            r.delta_token_counts = [1] * r.max_tokens
+            r.done_s = r.delta_times_s[-1]
+        if "static" in label:  # static batching misses the TTFT bound
+            for r in recs:
+                r.delta_times_s = [t + 2.0 for t in r.delta_times_s]
+                r.done_s += 2.0
+        return cli._finish(RunResult(label, "conveyor", recs, {"serve_args": args}), slo)
+
+    monkeypatch.setattr(cli, "_server_run", fake_run)
+    out, figs = tmp_path / "load.json", tmp_path / "figs"
+    rc = main(["--load", "0.5,0.9", "--compare", "batching=continuous,static", "--seed", "3",
+               "--json", str(out), "--plot", str(figs), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    labels = [c[0] for c in calls]
+    assert labels == ["batching=continuous", "batching=static",
+                      "batching=continuous load=0.5", "batching=static load=0.5",
+                      "batching=continuous load=0.9", "batching=static load=0.9"]
+    assert all(t == 0.0 for c in calls[:2] for t in c[2])          # closed loop first
+    assert calls[2][2] == calls[3][2] != calls[4][2] == calls[5][2]  # same arrivals per load
+    doc = json.loads(out.read_text())
+    sweep = doc["load_sweep"]
+    closed = doc["runs"][0]["metrics"]
+    assert sweep["capacity_requests_per_s"] == pytest.approx(closed["requests_per_s"])
+    rates = [p["rate_requests_per_s"] for p in sweep["points"]]
+    assert rates == pytest.approx([0.5 * sweep["capacity_requests_per_s"]] * 2
+                                  + [0.9 * sweep["capacity_requests_per_s"]] * 2)
+    assert sweep["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 200.0, "e2e_ms": None}
+    assert [p["SLO met %"] for p in sweep["points"]] == [100.0, 0.0, 100.0, 0.0]
+    assert doc["comparison"]["labels"] == ["batching=continuous", "batching=static"]
+    assert len(doc["runs"]) == 6 and "load sweep" in text
+    assert (figs / "load_sweep.png").is_file()
