@@ -3,11 +3,12 @@
 Why: torch's OpenMP threads meet at a barrier after every parallel op (hundreds a
 step). When a busy neighbour takes one of the cores, the thread that shares it runs at
 half speed and its sibling spins at every barrier waiting for it, so a step with two
-threads became 3x slower than with one (README, Performance: 6.3 against 20.9 decode
-steps/s). No fixed count is right: one thread wastes an idle machine, two collapse on a
-busy one. So the step loop measures.
+threads became 3x slower than with one (README, CPU threads). No fixed count is right:
+one thread wastes an idle machine, two collapse on a busy one. So the step loop measures.
 
-How (pure logic, no torch; `clock` is injectable for tests):
+How (pure logic, no torch and no clock of its own: its time is the sum of the step
+times it is told, so an idle server, or a benchmark measuring something else between
+steps, does not age its timers; tests drive it with made-up step times):
 
 - STEADY at n threads. Each step's wall time is remembered per token-count bucket
   (tokens.bit_length(): 1, 2-3, 4-7, ... tokens) as an exponential moving average.
@@ -18,11 +19,14 @@ How (pure logic, no torch; `clock` is injectable for tests):
 - The verdict compares the two arms within each bucket both saw (median step time of c
   over that of n, geometric mean over buckets weighted by samples); c is adopted only
   when it is faster by more than `margin` (hysteresis: a near-tie keeps n).
-- When: the first steps probe at once; then each direction has its own timer. A probe that keeps n doubles that
-  direction's interval (up to `max_interval_s`), so a machine that stays the same is
-  probed less and less; an adoption resets both to `interval_s`. A step slower than
-  `slowdown_trigger` x its bucket's average for `trigger_steps` steps in a row (a
-  neighbour arrived) starts a probe downwards at once.
+- Fail fast: a counted candidate step `abort_slowdown` x slower than n's average for its
+  bucket ends the probe at once with n kept, so probing a count that collapses costs
+  two steps, not half the probe.
+- When: the first step starts a probe; then each direction has its own timer. A probe
+  that keeps n doubles that direction's interval (up to `max_interval_s`), so a machine
+  that stays the same is probed less and less; an adoption resets both to
+  `interval_s`. A step slower than `slowdown_trigger` x its bucket's average for
+  `trigger_steps` steps in a row (a neighbour arrived) starts a downward probe at once.
 
 Decisions are kept in `history` (time, from, to, ratio) for logs and benchmarks.
 """
@@ -31,8 +35,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -43,7 +45,9 @@ class TunerSettings:
     interval_s / max_interval_s: first and longest wait between probes of a direction.
     slowdown_trigger / trigger_steps: an immediate downward probe after this many steps
     in a row this much slower than their bucket's average. ewma_alpha: weight of a new
-    step in that average. Raises ValueError for out-of-range values."""
+    step in that average. abort_slowdown: a candidate step this much slower than the
+    current count's average ends the probe. Times are seconds of steps (busy time).
+    Raises ValueError for out-of-range values."""
 
     probe_steps: int = 4
     blocks: int = 2
@@ -53,6 +57,7 @@ class TunerSettings:
     slowdown_trigger: float = 1.5
     trigger_steps: int = 3
     ewma_alpha: float = 0.2
+    abort_slowdown: float = 1.5
 
     def __post_init__(self) -> None:
         for name, ok in (("probe_steps", self.probe_steps >= 2), ("blocks", self.blocks >= 1),
@@ -60,7 +65,8 @@ class TunerSettings:
                          ("interval_s", 0 < self.interval_s <= self.max_interval_s),
                          ("slowdown_trigger", self.slowdown_trigger > 1),
                          ("trigger_steps", self.trigger_steps >= 1),
-                         ("ewma_alpha", 0 < self.ewma_alpha <= 1)):
+                         ("ewma_alpha", 0 < self.ewma_alpha <= 1),
+                         ("abort_slowdown", self.abort_slowdown > 1)):
             if not ok:
                 raise ValueError(f"TunerSettings.{name} is out of range: {getattr(self, name)!r}")
 
@@ -84,28 +90,26 @@ class ThreadTuner:
     Args:
         max_threads: the most threads to use (the pool size); the tuner starts there.
         min_threads: the fewest (default 1).
-        settings: probe and hysteresis knobs. clock: monotonic seconds (tests pass a fake).
+        settings: probe and hysteresis knobs.
 
     Use: `n = tuner.threads_for_next_step()`, run the step with n threads, then
     `tuner.observe(seconds, tokens)`. Raises ValueError for max < min or min < 1.
     """
 
     def __init__(self, max_threads: int, *, min_threads: int = 1,
-                 settings: TunerSettings = TunerSettings(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: TunerSettings = TunerSettings()) -> None:
         if not 1 <= min_threads <= max_threads:
             raise ValueError(f"need 1 <= min_threads ({min_threads}) <= max_threads ({max_threads})")
         self.min_threads, self.max_threads = min_threads, max_threads
         self.s = settings
-        self.clock = clock
+        self.busy_s = 0.0  # the tuner's clock: seconds of the steps it was told of
         self.current = max_threads
         self.history: list[tuple[float, int, int, float | None]] = []
         self._baseline: dict[int, float] = {}      # bucket -> EWMA seconds at `current`
         self._seen: dict[int, int] = {}            # bucket -> steps in the baseline
         self._slow_streak = 0
-        now = clock()
         self._interval = {-1: settings.interval_s, +1: settings.interval_s}
-        self._due = {-1: now, +1: now}  # the first step starts a probe: no guess at start
+        self._due = {-1: 0.0, +1: 0.0}  # the first step starts a probe: no guess at start
         self._probe: _Probe | None = None
 
     @property
@@ -115,7 +119,7 @@ class ThreadTuner:
     def threads_for_next_step(self) -> int:
         """The thread count to run the next step with (may start a due probe)."""
         if self._probe is None:
-            self._maybe_start(self.clock())
+            self._maybe_start(self.busy_s)
         p = self._probe
         return self.current if p is None else p.plan[p.step]
 
@@ -125,17 +129,24 @@ class ThreadTuner:
         from == to when the count stays), else None."""
         if not (seconds > 0 and math.isfinite(seconds)) or tokens < 1:
             return None
+        self.busy_s += seconds
         b = _bucket(tokens)
         p = self._probe
         if p is None:
             self._steady(b, seconds)
             return None
-        if p.counted[p.step]:
-            p.samples.setdefault(p.plan[p.step], {}).setdefault(b, []).append(seconds)
+        threads, counted = p.plan[p.step], p.counted[p.step]
+        if counted:
+            p.samples.setdefault(threads, {}).setdefault(b, []).append(seconds)
         p.step += 1
-        if p.step < len(p.plan):
+        base = self._baseline.get(b)
+        if counted and threads == p.candidate and base is not None \
+                and seconds > self.s.abort_slowdown * base:
+            self._decide(p, aborted=seconds / base)
+        elif p.step == len(p.plan):
+            self._decide(p)
+        else:
             return None
-        self._decide(p)
         return self.history[-1]
 
     def _steady(self, b: int, seconds: float) -> None:
@@ -169,11 +180,13 @@ class ThreadTuner:
                 counted += [False] + [True] * (k - 1)
         self._probe = _Probe(candidate, plan, counted)
 
-    def _decide(self, p: _Probe) -> None:
+    def _decide(self, p: _Probe, aborted: float | None = None) -> None:
+        """End probe `p`; `aborted`: the ratio of a collapsed candidate step (keep n)."""
         self._probe = None
-        now = self.clock()
+        now = self.busy_s
         d = +1 if p.candidate > self.current else -1
-        ratio = self.compare(p.samples.get(p.candidate, {}), p.samples.get(self.current, {}))
+        ratio = aborted if aborted is not None else self.compare(
+            p.samples.get(p.candidate, {}), p.samples.get(self.current, {}))
         if ratio is not None and ratio < 1 - self.s.margin:
             self.history.append((now, self.current, p.candidate, ratio))
             self.current = p.candidate
@@ -185,7 +198,8 @@ class ThreadTuner:
         if ratio is not None:  # a verdict against the candidate: wait longer next time
             self._interval[d] = min(2 * self._interval[d], self.s.max_interval_s)
         self._due[d] = now + self._interval[d]
-        self._reseed(p.samples.get(self.current, {}))
+        if p.samples.get(self.current):  # an aborted probe may have run no step of n
+            self._reseed(p.samples[self.current])
 
     def _reseed(self, samples: dict[int, list[float]]) -> None:
         """The steady baseline after a probe: the kept arm's own step times."""
