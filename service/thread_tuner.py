@@ -19,9 +19,9 @@ steps, does not age its timers; tests drive it with made-up step times):
 - The verdict compares the two arms within each bucket both saw (median step time of c
   over that of n, geometric mean over buckets weighted by samples); c is adopted only
   when it is faster by more than `margin` (hysteresis: a near-tie keeps n).
-- Fail fast: a counted candidate step `abort_slowdown` x slower than n's average for its
-  bucket ends the probe at once with n kept, so probing a count that collapses costs
-  two steps, not half the probe.
+- Fail fast: a candidate step `abort_slowdown` x slower than n's average for its bucket
+  ends the probe at once with n kept, so probing a count that collapses costs one step,
+  not half the probe.
 - When: the first step starts a probe; then each direction has its own timer. A probe
   that keeps n doubles that direction's interval (up to `max_interval_s`), so a machine
   that stays the same is probed less and less; an adoption resets both to
@@ -140,8 +140,7 @@ class ThreadTuner:
             p.samples.setdefault(threads, {}).setdefault(b, []).append(seconds)
         p.step += 1
         base = self._baseline.get(b)
-        if counted and threads == p.candidate and base is not None \
-                and seconds > self.s.abort_slowdown * base:
+        if threads == p.candidate and base is not None and seconds > self.s.abort_slowdown * base:
             self._decide(p, aborted=seconds / base)
         elif p.step == len(p.plan):
             self._decide(p)

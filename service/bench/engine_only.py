@@ -351,14 +351,16 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     with CpuHog(a.cpu_hog):  # the neighbours run for the whole measurement, then stop
         for sc in scenarios:
             live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
+            # "auto": one tuner per model variant and scenario, kept across the rounds; it
+            # also runs the untimed prefill and warm-up steps (its start-up probe)
+            tuners = {m: ThreadTuner(default_num_threads()) for m in models}
             for m in models:
-                torch.set_num_threads(threads[0])
+                runners[m].thread_tuner = tuners[m] if "auto" in threads else None
+                torch.set_num_threads(tuners[m].current if "auto" in threads else threads[0])
                 live[m] = (_DecodeRun(runners[m], tokens, sc, a.steps * len(threads), a.rounds,
                                       a.warmup) if sc.kind == "decode"
                            else _PrefillRun(runners[m], tokens, sc, a.warmup))
             steps = a.steps if sc.kind == "decode" else a.prefill_steps
-            # "auto": one tuner per model variant and scenario, kept across the rounds
-            tuners = {m: ThreadTuner(default_num_threads()) for m in models}
             for _ in range(a.rounds):
                 for m, t in variants:
                     runners[m].thread_tuner = tuners[m] if t == "auto" else None

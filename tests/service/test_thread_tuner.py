@@ -122,14 +122,14 @@ def test_a_neighbour_that_comes_and_goes_costs_under_ten_percent(seed) -> None:
     assert [(was, now) for _, was, now, _ in tuner.history if was != now] == [(2, 1), (1, 2)]
 
 
-def test_a_collapsing_candidate_ends_its_probe_after_two_steps() -> None:
+def test_a_collapsing_candidate_ends_its_probe_after_one_step() -> None:
     tuner = ThreadTuner(2)
     busy = lambda n, t: 0.150 if n == 2 else 0.050
     run_steps(tuner, busy, 16)                      # first probe: down to 1 thread
     assert tuner.current == 1
     used = run_steps(tuner, busy, 60)               # 2 s later an upward probe is due
     first_up = used.index(2)
-    assert used[first_up:first_up + 3] == [2, 2, 1]  # resize step, one counted step, done
+    assert used[first_up:first_up + 2] == [2, 1]    # one step at 2 threads, then back
     _, was, now, ratio = tuner.history[-1]
     assert (was, now) == (1, 1) and ratio == pytest.approx(3.0)
-    assert used.count(2) == 2                       # next upward probe 4 s later: not yet
+    assert used.count(2) == 1                       # next upward probe 4 s later: not yet
