@@ -14,9 +14,11 @@ the sampled tokens into events for each request's sink.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -35,7 +37,8 @@ from service.request_stream import Event, RequestStream, Sink
 from service.scheduler import PreemptionCost, Scheduler
 from service.scheduler_output import SchedulerOutput
 from service.swap_space import SwapSpace
-from service.tokenize_prompt import tokenize_prompt
+from service.request_input import coerce_messages, coerce_params, coerce_token_ids
+from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +80,10 @@ class Engine:
         self._runner: ModelRunner | None = None
         self._scheduler: Scheduler | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # Chat templating and tokenizing: off the event loop, a few threads, bounded.
+        self._preprocess_pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-prompt")
+        self._preprocessing = 0
+        self._prompts: PromptTokenizer | None = None
         self._task: asyncio.Task | None = None
         self._inbox: asyncio.Queue[_Live] = asyncio.Queue()
         self._aborts: set[str] = set()
@@ -109,6 +116,7 @@ class Engine:
         self._scheduler = Scheduler(self.config.scheduler, pool, runner.max_model_len,
                                     cache=self.config.cache,
                                     swap=SwapSpace(runner.num_swap_blocks), cost=cost)
+        self._prompts = PromptTokenizer(runner.tokenizer, runner.model.vocab_size)
         self.metrics = EngineMetrics(runner.loaded.name)
         self.metrics.read_state_from(self._metrics_state)
         self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
@@ -134,6 +142,7 @@ class Engine:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
         if self._runner is not None:
             self._runner.release()  # the KV cache and weights go now, not at the next GC
 
@@ -201,36 +210,68 @@ class Engine:
         return len(self._live)
 
     # ---- admission ---------------------------------------------------------------
-    def add_request(self, *, messages: Sequence[ChatMessage] | None = None,
-                    prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                    params: SamplingParams | None = None, request_id: str | None = None,
-                    client_id: str | None = None, sink: Sink | None = None,
-                    arrival_time: float | None = None,
-                    connection_id: str | None = None) -> RequestStream | int:
-        """Validate, tokenize and queue one request.
+    async def add_request(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+                          prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                          params: SamplingParams | Mapping[str, Any] | None = None,
+                          request_id: str | None = None, client_id: str | None = None,
+                          sink: Sink | None = None, arrival_time: float | None = None,
+                          connection_id: str | None = None) -> RequestStream | int:
+        """Validate, tokenize and queue one request (Admission).
 
+        messages: chat turns, `ChatMessage`s or `{"role", "content"}` dicts; prompt: raw
+        text; prompt_token_ids: ids; exactly one of the three. params: `SamplingParams` or
+        a mapping of its fields; checked exactly as the wire checks `$.params`.
         request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
         written into its events (default: request_id). With `sink`, events are passed to
         it (never awaited) and the prompt length in tokens is returned; without, a
         RequestStream to iterate is returned. arrival_time: `time.monotonic()` of receipt.
         connection_id: logged with every line about the request.
 
-        Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue full),
-        ShuttingDown.
+        Cheap checks run first, on the event loop: the params, the prompt's shape, and a
+        lower bound on its length from its character count, so a prompt that cannot fit
+        is refused before it is tokenized. Chat templating and tokenizing then run in a
+        small thread pool, never on the event loop (as vLLM's and SGLang's front ends
+        do), so a huge prompt never stalls other clients' streams.
+
+        Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue or
+        preprocessing pool full), ShuttingDown. Nothing is queued when it raises.
         """
         request_id = request_id or uuid.uuid4().hex
         client_id = client_id or request_id
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if not self.accepting:
-            raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
-        if request_id in self._live:
-            raise DuplicateId(f"request id {client_id!r} is already in flight",
-                              param="$.id", request_id=client_id)
-        params = params or SamplingParams()
-        runner = self.runner
-        ids = tokenize_prompt(runner.tokenizer, runner.model.vocab_size, messages=messages,
-                              prompt=prompt, token_ids=prompt_token_ids, request_id=client_id)
+        self._check_accepting(request_id, client_id)
+        params = coerce_params(params, request_id=client_id)
+        if messages is not None:
+            messages = coerce_messages(messages, request_id=client_id)
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
+                                 param="$.prompt", request_id=client_id)
+        if prompt_token_ids is not None:
+            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
+        prompts = self._prompts
+        assert prompts is not None, "Engine.start() has not run"
+        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
+                                              token_ids=prompt_token_ids),
+                           params.max_tokens, self.max_model_len, client_id)
+        if self._preprocessing >= self.config.scheduler.max_waiting_requests:
+            raise Overloaded("too many prompts are being tokenized", request_id=client_id,
+                             retry_after_ms=self._retry_after_ms())
+        tokenize = functools.partial(prompts, messages=messages, prompt=prompt,
+                                     token_ids=prompt_token_ids, request_id=client_id)
+        if prompt_token_ids is not None:
+            ids = tokenize()  # nothing to tokenize: a range check, at once
+        else:
+            self._preprocessing += 1
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(self._preprocess_pool,
+                                                                       tokenize)
+            finally:
+                self._preprocessing -= 1
+        # The checks again: the engine may have begun shutting down, or the id been taken,
+        # while the prompt was tokenized.
+        self._check_accepting(request_id, client_id)
         self._check_fits(len(ids), params, client_id)
+        runner = self.runner
         req = Request(request_id, ids, params, runner.loaded.eos_token_ids, arrival_time=arrival)
         stream = None
         if sink is None:
@@ -246,6 +287,13 @@ class Engine:
         self._live[request_id] = live
         self._wakeup.set()
         return stream if stream is not None else len(ids)
+
+    def _check_accepting(self, request_id: str, client_id: str) -> None:
+        if not self.accepting:
+            raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
+        if request_id in self._live:
+            raise DuplicateId(f"request id {client_id!r} is already in flight",
+                              param="$.id", request_id=client_id)
 
     @property
     def num_waiting(self) -> int:
@@ -279,17 +327,17 @@ class Engine:
             self._aborts.add(request_id)
             self._wakeup.set()
 
-    async def generate(self, *, messages: Sequence[ChatMessage] | None = None,
+    async def generate(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
                        prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                       params: SamplingParams | None = None,
+                       params: SamplingParams | Mapping[str, Any] | None = None,
                        request_id: str | None = None) -> AsyncIterator[Event]:
         """Deltas of one request, then its Done (usage and timings).
 
         Breaking out of the iteration aborts the request. Raises what add_request raises.
         """
-        stream = self.add_request(messages=messages, prompt=prompt,
-                                  prompt_token_ids=prompt_token_ids, params=params,
-                                  request_id=request_id)
+        stream = await self.add_request(messages=messages, prompt=prompt,
+                                        prompt_token_ids=prompt_token_ids, params=params,
+                                        request_id=request_id)
         assert isinstance(stream, RequestStream)
         key = request_id or stream.request_id
         try:
