@@ -46,7 +46,7 @@ from service.bench.runner import run_server
 from service.bench.server_process import ServerProcess
 from service.bench.tokenizer import load_tokenizer
 from service.bench.workloads import build_workload
-from service.cpu_threads import default_num_threads
+from service.worker.cpu_threads import default_num_threads
 
 LLAMA_FLAGS = ("llama_server_bin", "llama_server_url", "llama_server_model", "llama_server_args")
 

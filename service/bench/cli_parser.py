@@ -7,7 +7,7 @@ import math
 
 from service.bench.peers import PEERS
 from service.bench.workloads import WORKLOADS
-from service.cli import add_engine_args
+from service.engine_args import add_engine_args
 
 ALL_PEERS = (*PEERS, "llama-server")
 

@@ -76,7 +76,7 @@ def run_llama_peer(plan: LoadPlan, opts: LlamaPeerOptions, *, max_num_seqs: int,
         return RunResult("llama-server", "llama-server", records,
                          {"url": opts.url, "notes": NOTES})
     binary = opts.resolve_binary()
-    from service.loader import default_model_path
+    from service.worker.loader import default_model_path
 
     source = opts.model or default_model_path()
     if not str(source).endswith(".gguf"):

@@ -164,7 +164,7 @@ def test_missing_binary_names_the_build_script(monkeypatch, tmp_path) -> None:
 
 
 def test_the_default_gguf_is_q4_and_used_as_it_is(tmp_path) -> None:
-    from service.loader import default_model_path
+    from service.worker.loader import default_model_path
 
     path, kind = q4_model(default_model_path(), None, tmp_path)
     assert kind == "MOSTLY_Q4_1" and str(path) == default_model_path()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.cpu_threads import default_num_threads
+from service.worker.cpu_threads import default_num_threads
 from service.llm import LLM
 
 pytestmark = pytest.mark.skipif(default_num_threads() < 2,

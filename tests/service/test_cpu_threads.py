@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from service.config import ModelConfig
-from service.cpu_threads import (CgroupMount, cpu_mounts, cpu_quota, default_num_threads,
+from service.worker.cpu_threads import (CgroupMount, cpu_mounts, cpu_quota, default_num_threads,
                                  own_cgroups)
 
 

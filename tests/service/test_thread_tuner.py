@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from service.thread_tuner import ThreadTuner, TunerSettings
+from service.worker.thread_tuner import ThreadTuner, TunerSettings
 
 
 def run_steps(tuner: ThreadTuner, step_s, n: int, tokens: int = 1) -> list[int]:
