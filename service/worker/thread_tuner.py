@@ -24,8 +24,10 @@ steps, does not age its timers; tests drive it with made-up step times):
   not half the probe.
 - When: the first step starts a probe; then each direction has its own timer. A probe
   that keeps n doubles that direction's interval (up to `max_interval_s`), so a machine
-  that stays the same is probed less and less; an adoption resets both to
-  `interval_s`. A step slower than `slowdown_trigger` x its bucket's average for
+  that stays the same is probed less and less, and stretches it further so that the
+  time the probe lost (its candidate steps over n's average) is at most `probe_budget`
+  of the interval: probing a count that is 10x slower on 0.5 s steps waits 250 s, not
+  30. An adoption resets both to `interval_s`. A step slower than `slowdown_trigger` x its bucket's average for
   `trigger_steps` steps in a row (a neighbour arrived) starts a downward probe at once.
 
 Decisions are kept in `history` (time, from, to, ratio) for logs and benchmarks.
@@ -45,7 +47,8 @@ class TunerSettings:
     interval_s / max_interval_s: first and longest wait between probes of a direction.
     slowdown_trigger / trigger_steps: an immediate downward probe after this many steps
     in a row this much slower than their bucket's average. ewma_alpha: weight of a new
-    step in that average. abort_slowdown: a candidate step this much slower than the
+    step in that average. probe_budget: the most a failed probe's lost time may be, as a
+    fraction of the wait before the next probe in its direction. abort_slowdown: a candidate step this much slower than the
     current count's average ends the probe. Times are seconds of steps (busy time).
     Raises ValueError for out-of-range values."""
 
@@ -58,6 +61,7 @@ class TunerSettings:
     trigger_steps: int = 3
     ewma_alpha: float = 0.2
     abort_slowdown: float = 1.5
+    probe_budget: float = 0.02
 
     def __post_init__(self) -> None:
         for name, ok in (("probe_steps", self.probe_steps >= 2), ("blocks", self.blocks >= 1),
@@ -66,7 +70,8 @@ class TunerSettings:
                          ("slowdown_trigger", self.slowdown_trigger > 1),
                          ("trigger_steps", self.trigger_steps >= 1),
                          ("ewma_alpha", 0 < self.ewma_alpha <= 1),
-                         ("abort_slowdown", self.abort_slowdown > 1)):
+                         ("abort_slowdown", self.abort_slowdown > 1),
+                         ("probe_budget", 0 < self.probe_budget <= 1)):
             if not ok:
                 raise ValueError(f"TunerSettings.{name} is out of range: {getattr(self, name)!r}")
 
@@ -82,6 +87,7 @@ class _Probe:
     counted: list[bool]                  # whether that step is measured
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # threads -> bucket -> s
     step: int = 0
+    lost_s: float = 0.0                  # candidate steps' time beyond n's average
 
 
 class ThreadTuner:
@@ -140,6 +146,8 @@ class ThreadTuner:
             p.samples.setdefault(threads, {}).setdefault(b, []).append(seconds)
         p.step += 1
         base = self._baseline.get(b)
+        if threads == p.candidate and base is not None:
+            p.lost_s += seconds - base
         if threads == p.candidate and base is not None and seconds > self.s.abort_slowdown * base:
             self._decide(p, aborted=seconds / base)
         elif p.step == len(p.plan):
@@ -195,7 +203,8 @@ class ThreadTuner:
             return
         self.history.append((now, self.current, self.current, ratio))
         if ratio is not None:  # a verdict against the candidate: wait longer next time
-            self._interval[d] = min(2 * self._interval[d], self.s.max_interval_s)
+            self._interval[d] = max(min(2 * self._interval[d], self.s.max_interval_s),
+                                    p.lost_s / self.s.probe_budget)
         self._due[d] = now + self._interval[d]
         if p.samples.get(self.current):  # an aborted probe may have run no step of n
             self._reseed(p.samples[self.current])

@@ -133,3 +133,15 @@ def test_a_collapsing_candidate_ends_its_probe_after_one_step() -> None:
     _, was, now, ratio = tuner.history[-1]
     assert (was, now) == (1, 1) and ratio == pytest.approx(3.0)
     assert used.count(2) == 1                       # next upward probe 4 s later: not yet
+
+
+def test_a_costly_failed_probe_waits_long_enough_to_stay_within_its_budget() -> None:
+    """A 10x collapse on 0.5 s steps: the aborted probe lost 4.5 s, so with a 2% budget the
+    next upward probe waits 225 s of steps, beyond the 30 s doubling cap."""
+    tuner = ThreadTuner(2)
+    busy = lambda n, t: 5.0 if n == 2 else 0.5
+    run_steps(tuner, busy, 16)                      # start-up probe: down to 1 thread
+    used = run_steps(tuner, busy, 700)              # 350 s of steps
+    ups = [i for i, n in enumerate(used) if n == 2]
+    assert len(ups) == 2                            # after 2 s, then 225 s later
+    assert (ups[1] - ups[0]) * 0.5 == pytest.approx(4.5 / 0.02, abs=1.0)
