@@ -35,6 +35,7 @@ from service.bench.request_spec import RequestSpec
 from service.bench.runner import new_records
 
 COMPLETIONS_PATH = "/v1/completions"
+WARMUP_IDS = [504, 2093, 314]  # any three ids, as the transformers peers' warm-up
 
 
 class ChunkCounter:
@@ -145,9 +146,9 @@ async def run_llama_server(base_url: str, plan: LoadPlan, *, progress: bool = Tr
                                  timeout=timeout) as client:
         try:
             for _ in range(plan.warmup):
-                resp = await client.post(COMPLETIONS_PATH, json={
-                    "prompt": list(plan.requests[0].prompt_token_ids[:8]), "max_tokens": 4,
-                    "temperature": 0.0, "cache_prompt": False})
+                resp = await client.post(COMPLETIONS_PATH, json={  # no workload prefix
+                    "prompt": WARMUP_IDS, "max_tokens": 4, "temperature": 0.0,
+                    "cache_prompt": False})
                 resp.raise_for_status()
             sem = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
             t0 = time.perf_counter()
