@@ -190,6 +190,11 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
               f"{bound['ratio']:.2f}x. Measured ratios can exceed it: a static batch starts "
               f"with whatever has arrived, and its prefill does not overlap decodes.",
               flush=True)
+        share = _bound_share(runs, compare, bound)
+        config["batching_bound"]["closed_loop_share"] = share
+        if share is not None:
+            print(f"closed loop: measured continuous / static output tok/s is "
+                  f"{100 * share:.0f}% of the flat-step bound's ratio", flush=True)
     sweep: tuple[list[RunResult], list[SweepPoint], dict] | None = None
     if a.load:
         sweep = _load_sweep(a, plan, compare, slo, runs, bound)
@@ -253,11 +258,16 @@ def _load_sweep(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec, slo
             run = _server_run(a, load_label(label, f), args, loaded, slo)
             runs.append(run)
             points.append(SweepPoint(label, f, rate, run.metrics))
-    static = by_label.get(compare.label("static"))
-    share = bound_share(cont.metrics.output_tokens_per_s,
-                        static.metrics.output_tokens_per_s if static else None,
-                        bound["ratio"] if bound else None)
-    return runs, points, sweep_json(cap, slo, points, share)
+    return runs, points, sweep_json(cap, slo, points, _bound_share(closed, compare, bound))
+
+
+def _bound_share(runs: list[RunResult], compare: CompareSpec, bound: dict | None) -> float | None:
+    """Measured continuous / static output tok/s over the flat-step bound's ratio."""
+    by_label = {r.label: r.metrics for r in runs}
+    cont, static = (by_label.get(compare.label(m)) for m in ("continuous", "static"))
+    return bound_share(cont.output_tokens_per_s if cont else None,
+                       static.output_tokens_per_s if static else None,
+                       bound["ratio"] if bound else None)
 
 
 def _peer_runs(a: argparse.Namespace, plan: LoadPlan, peers: list[str], tokenizer,

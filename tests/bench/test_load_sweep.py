@@ -178,4 +178,9 @@ def test_one_invocation_runs_closed_loop_then_each_mode_at_each_load(tmp_path, m
     assert [p["SLO met %"] for p in sweep["points"]] == [100.0, 0.0, 100.0, 0.0]
     assert doc["comparison"]["labels"] == ["batching=continuous", "batching=static"]
     assert len(doc["runs"]) == 6 and "load sweep" in text
+    share = doc["config"]["batching_bound"]["closed_loop_share"]
+    tok = [r["metrics"]["output_tokens_per_s"] for r in doc["runs"][:2]]
+    assert share == pytest.approx(tok[0] / tok[1] / doc["config"]["batching_bound"]["ratio"])
+    assert sweep["closed_loop_bound_share"] == pytest.approx(share)
+    assert "of the flat-step bound's ratio" in text
     assert (figs / "load_sweep.png").is_file()
