@@ -41,6 +41,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "use), sdpa (torch), auto = cpp when it builds (fp32), else sdpa")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
+    m.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="defaults of unset sampling parameters (temperature, top_p, top_k, "
+                        "min_p): auto = the model's generation_config.json, else its model "
+                        "card's recommendation (SmolLM2 Instruct: temperature 0.2, top_p 0.9); "
+                        "vllm = neutral (temperature 1, top_p 1); PATH = a folder with "
+                        "generation_config.json, or the file")
     m.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: linear layers in int8 (torch's dynamic quantization, fbgemm; "
                         "CPU, float32 only); none: dense weights, the default")
@@ -99,6 +105,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len,
                           cpu_decode_kernel=a.cpu_decode_kernel,
+                          generation_config=a.generation_config,
                           quantization=None if a.quantization == "none" else a.quantization),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,

@@ -34,6 +34,11 @@ class ModelConfig:
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
         or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    generation_config: where unset sampling parameters (temperature, top_p, top_k,
+        min_p) take their defaults, as vLLM's `--generation-config`: "auto" (the
+        model's generation_config.json, else its model card's recommendation), "vllm"
+        (neutral: temperature 1, top_p 1) or a PATH (a folder with
+        generation_config.json, or the file); see service/generation_config.py.
     """
 
     model: str | None = None
@@ -43,6 +48,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     cpu_decode_kernel: str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -57,6 +63,8 @@ class ModelConfig:
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
+        _check(isinstance(self.generation_config, str) and self.generation_config != "",
+               "generation_config", '"auto", "vllm" or a path', self.generation_config)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
                "quantization", 'None unless dtype is "float32" and device "cpu"',
                self.quantization)

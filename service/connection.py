@@ -75,7 +75,8 @@ class Connection:
         send = lambda data: self.ws.send(data, text=True)  # noqa: E731
         writer = asyncio.create_task(self.outbox.run(send), name=f"{self.conn_id}-writer")
         self.outbox.put(Hello(protocol=PROTOCOL_VERSION, model=self.engine.model_name,
-                              max_model_len=self.engine.max_model_len))
+                              max_model_len=self.engine.max_model_len,
+                              sampling_defaults=self.engine.sampling_defaults.as_dict()))
         try:
             async for frame in self.ws:
                 if self._closing is not None:

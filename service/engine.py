@@ -29,6 +29,7 @@ from protocol import (ChatMessage, ContextLengthExceeded, Delta, Done, Duplicate
 from service.block_pool import KVBlockPool
 from service.config import EngineConfig
 from service.detokenizer import IncrementalDetokenizer
+from service.generation_config import SamplingDefaults, load_sampling_defaults
 from service.loader import LoadedModel
 from service.metrics import EngineMetrics, EngineState
 from service.model_runner import ModelRunner
@@ -96,6 +97,7 @@ class Engine:
         self._mean_e2e_s: float | None = None
         self._fault_steps = 0
         self.metrics: EngineMetrics | None = None
+        self.sampling_defaults = SamplingDefaults()  # set from the model's generation config
         self._held: list[tuple[Sink, Done]] = []  # static/dynamic batching: dones of the batch
 
     # ---- life cycle --------------------------------------------------------------
@@ -117,6 +119,10 @@ class Engine:
                                     cache=self.config.cache,
                                     swap=SwapSpace(runner.num_swap_blocks), cost=cost)
         self._prompts = PromptTokenizer(runner.tokenizer, runner.model.vocab_size)
+        self.sampling_defaults = load_sampling_defaults(
+            self.config.model.generation_config, self.config.model.model, runner.loaded.name)
+        log.info("sampling_defaults", source=self.sampling_defaults.source,
+                 **self.sampling_defaults.as_dict())
         self.metrics = EngineMetrics(runner.loaded.name)
         self.metrics.read_state_from(self._metrics_state)
         self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
@@ -240,7 +246,7 @@ class Engine:
         client_id = client_id or request_id
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._check_accepting(request_id, client_id)
-        params = coerce_params(params, request_id=client_id)
+        params = self.sampling_defaults.apply(coerce_params(params, request_id=client_id))
         if messages is not None:
             messages = coerce_messages(messages, request_id=client_id)
         if prompt is not None and not isinstance(prompt, str):

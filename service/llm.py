@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from protocol import SamplingParams
 from service.block_pool import KVBlockPool
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.generation_config import load_sampling_defaults
 from service.loader import LoadedModel
 from service.model_runner import ModelRunner
 from service.request import Request
@@ -47,13 +48,18 @@ class LLM:
         pool = KVBlockPool(self.runner.num_blocks, self.config.cache.block_size,
                            self.config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, pool, self.runner.max_model_len)
+        self.sampling_defaults = load_sampling_defaults(
+            self.config.model.generation_config, model, self.runner.loaded.name)
         self._next_id = 0
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
-        """Completion token ids of each prompt, in order. Raises ValueError for an empty
-        prompt or one that does not fit the context with its max_tokens."""
+        """Completion token ids of each prompt, in order; unset sampling values take the
+        model's generation config (`self.sampling_defaults`), as in the Engine. Raises
+        ValueError for an empty prompt or one that does not fit the context with its
+        max_tokens."""
         plist = [params] * len(prompt_token_ids) if isinstance(params, SamplingParams) else params
+        plist = [self.sampling_defaults.apply(p) for p in plist]
         eos = self.runner.loaded.eos_token_ids
         reqs = []
         for ids, p in zip(prompt_token_ids, plist):
