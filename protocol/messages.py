@@ -165,7 +165,7 @@ ClientMessage = Union[Generate, Cancel, Ping]
 # --- server to client -------------------------------------------------------
 
 
-class Hello(_Frame, tag="hello"):
+class Hello(_Frame, tag="hello", omit_defaults=True):
     """First frame on every connection.
 
     `sampling_defaults`: the values an unset `temperature`, `top_p`, `top_k`, `min_p`
