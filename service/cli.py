@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of origins (e.g. http://127.0.0.1:8765) whose browser "
                           "pages may connect, others get HTTP 403; None = any. List the "
                           "server's own origin to use the chat page")
+    net.add_argument("--responses-max-stored", type=int, default=64, metavar="N",
+                     help="/v1/responses: completed responses kept per connection for "
+                          "previous_response_id (oldest dropped first)")
+    net.add_argument("--responses-max-stored-tokens", type=int, default=1 << 18,
+                     metavar="TOKENS",
+                     help="/v1/responses: token ids of the kept responses' contexts, per "
+                          "connection (4 bytes each)")
     net.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
                      help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                           "they are cancelled (a second signal cancels them at once)")
@@ -190,7 +197,9 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         max_outbox_bytes=a.max_outbox_bytes,
                         api_key=a.api_key or os.environ.get("CONVEYOR_API_KEY") or None,
                         allowed_origins=a.allowed_origins or (),
-                        shutdown_timeout=a.shutdown_timeout)
+                        shutdown_timeout=a.shutdown_timeout,
+                        responses_max_stored=a.responses_max_stored,
+                        responses_max_stored_tokens=a.responses_max_stored_tokens)
 
 
 def on_shutdown_signals(stop: asyncio.Event, force: asyncio.Event) -> None:
@@ -224,6 +233,9 @@ async def _serve(a: argparse.Namespace) -> None:
         server = await ConveyorServer(engine, net).start()
         mode = f" ({cfg.model.quantization})" if cfg.model.quantization else ""
         print(f"conveyor: serving {engine.model_name}{mode} at {server.url}", flush=True)
+        print(f"conveyor: OpenAI Responses WebSocket mode at "
+              f"{server.url.rsplit('/v1/', 1)[0]}/v1/responses (openai SDK: base_url="
+              f"http://{a.host}:{server.port}/v1)", flush=True)
         print(f"conveyor: health at http://{a.host}:{server.port}/health", flush=True)
         try:
             await stop.wait()

@@ -212,6 +212,9 @@ class ServerConfig:
         connection is dropped.
     ping_interval, ping_timeout: WebSocket keepalive, seconds; a peer that vanished
         without a FIN is dropped (and its requests cancelled) after about their sum.
+    responses_max_stored, responses_max_stored_tokens: per `/v1/responses` connection,
+        the most completed responses, and token ids of their contexts together (4 bytes
+        each), kept for `previous_response_id`; the oldest is dropped first.
     """
 
     host: str = "127.0.0.1"
@@ -228,6 +231,8 @@ class ServerConfig:
     close_timeout: float = 5.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
+    responses_max_stored: int = 64
+    responses_max_stored_tokens: int = 1 << 18
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
@@ -255,3 +260,7 @@ class ServerConfig:
         _check(self.close_timeout > 0, "close_timeout", "> 0 seconds", self.close_timeout)
         _check(self.ping_interval > 0, "ping_interval", "> 0 seconds", self.ping_interval)
         _check(self.ping_timeout > 0, "ping_timeout", "> 0 seconds", self.ping_timeout)
+        _check(self.responses_max_stored >= 1, "responses_max_stored", ">= 1 responses",
+               self.responses_max_stored)
+        _check(self.responses_max_stored_tokens >= 1, "responses_max_stored_tokens",
+               ">= 1 tokens", self.responses_max_stored_tokens)
