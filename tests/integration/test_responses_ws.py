@@ -193,6 +193,24 @@ async def test_4_errors_leave_the_socket_usable(server) -> None:
         assert event.type in ("response.completed", "response.incomplete")
 
 
+async def test_lanes_run_at_once_and_echo_their_stream_id(server) -> None:
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        for lane in ("a", "b"):
+            await ws.send(json.dumps({"type": "response.create", "stream_id": lane,
+                                      "input": f"Say the letter {lane}.", "max_output_tokens": 6,
+                                      "temperature": 0}))
+        await ws.send(json.dumps({"type": "response.create", "stream_id": "a", "input": "x"}))
+        by_lane: dict[str, list] = {"a": [], "b": []}
+        busy = []
+        while sum(e[-1].type in TERMINAL for e in by_lane.values() if e) < 2:
+            event = EVENT.validate_json(await asyncio.wait_for(ws.recv(), 120))
+            (busy if event.type == "error" else by_lane[event.stream_id]).append(event)
+    assert [e.error.code for e in busy] == [BUSY_CODE] and busy[0].stream_id == "a"
+    for events in by_lane.values():
+        check_stream(events, end=events[-1].type)
+
+
 async def test_4_a_wrong_api_key_is_refused_before_the_upgrade(server) -> None:
     with pytest.raises(Exception, match="401"):
         async with client(server, key="wrong-key").responses.connect():
