@@ -78,7 +78,6 @@ class ResponsesConnection(SocketActor):
                                    self.config.responses_max_stored_tokens)
         self.runs: dict[str | None, ResponseRun] = {}  # lane (stream_id) -> its response
         self._admitting: dict[str | None, asyncio.Task[None]] = {}
-        self._prompts = prompt_tokenizer(self.engine.tokenizer)
         self._special_ids = frozenset(self.engine.tokenizer.all_special_ids)
 
     def _key(self, response_id: str) -> str:
@@ -149,9 +148,10 @@ class ResponsesConnection(SocketActor):
     async def _admit(self, run: ResponseRun, previous, received: float) -> None:
         req, lane = run.request, run.request.stream_id
         try:
-            ids, messages = await asyncio.to_thread(
-                build_prompt, self._prompts, previous, req.instructions, req.messages,
-                generate=req.generate)
+            tokenizer = self.engine.tokenizer
+            ids, messages = await asyncio.to_thread(  # templating and tokenizing: off the loop
+                lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
+                                     req.messages, generate=req.generate))
             room = self.engine.max_model_len - len(ids)
             max_tokens = 1 if not req.generate else \
                 req.max_output_tokens if req.max_output_tokens is not None else max(1, room)

@@ -34,7 +34,8 @@ _tokenizers: weakref.WeakKeyDictionary[Any, PromptTokenizer] = weakref.WeakKeyDi
 
 
 def prompt_tokenizer(tokenizer: Any) -> PromptTokenizer:
-    """One PromptTokenizer per tokenizer, shared by every connection (thread-safe)."""
+    """One PromptTokenizer per tokenizer, shared by every connection (thread-safe; the
+    first call builds it, about a second: call it off the event loop)."""
     pt = _tokenizers.get(tokenizer)
     if pt is None:
         pt = _tokenizers[tokenizer] = PromptTokenizer(tokenizer, len(tokenizer))
