@@ -17,7 +17,7 @@ from service.config import ServerConfig
 
 from tests.integration.reliability_support import small_window_connect, wait_idle, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 EVENT = TypeAdapter(ResponsesServerEvent)
 COUNT = "Count from 1 to 300, separated by commas."

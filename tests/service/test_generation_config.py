@@ -72,7 +72,7 @@ def test_config_and_cli_carry_the_option() -> None:
 
 
 def test_sampler_reads_unset_values_as_neutral() -> None:
-    from service.sampler import build_sampling_tensors
+    from service.worker.sampler import build_sampling_tensors
 
     t = build_sampling_tensors([SamplingParams(), SamplingParams(temperature=0.0, top_k=3)])
     assert t.temperature.tolist() == [1.0, 0.0] and t.top_k.tolist() == [0, 3]
