@@ -15,7 +15,8 @@ bounded outbox; the life cycle, slow-reader handling and close codes are
 - `generate: false` (warm-up) prefills the context into the prefix cache: the engine
   runs the prompt with max_tokens=1 and the one sampled token is dropped; the response
   completes with no output and can be continued.
-- An unset `max_output_tokens` means the rest of the context (max_model_len - prompt).
+- An unset `max_output_tokens` means the rest of the context (max_model_len, or the whole
+  KV cache when smaller, minus the prompt).
 - Closing the socket cancels the responses in flight; the engine frees their KV blocks
   before its next step. Errors never close the socket.
 """
@@ -96,6 +97,12 @@ class ResponsesConnection(SocketActor):
         for run in list(self.runs.values()):
             self.engine.abort(self._key(run.id))
 
+    def _room(self) -> int:
+        """Tokens one request may span: the context, and the whole KV cache (an unset
+        max_output_tokens is what is left of it after the prompt, as vLLM does)."""
+        cache = self.engine.core.scheduler.pool.num_blocks * self.engine.config.cache.block_size
+        return min(self.engine.max_model_len, cache)
+
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         stream_id = None
         try:
@@ -152,9 +159,9 @@ class ResponsesConnection(SocketActor):
             ids, messages = await asyncio.to_thread(  # templating and tokenizing: off the loop
                 lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
                                      req.messages, generate=req.generate))
-            room = self.engine.max_model_len - len(ids)
             max_tokens = 1 if not req.generate else \
-                req.max_output_tokens if req.max_output_tokens is not None else max(1, room)
+                req.max_output_tokens if req.max_output_tokens is not None else \
+                max(1, self._room() - len(ids))
             params = {"max_tokens": max_tokens, "temperature": req.temperature,
                       "top_p": req.top_p}
             await self.engine.add_request(
