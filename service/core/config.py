@@ -63,6 +63,11 @@ class ModelConfig:
     adaptive_threads: on the CPU, let the step loop run with fewer threads than
         num_threads while that measures faster (a busy neighbour took a core;
         `service.worker.thread_tuner`); False pins num_threads.
+    generation_config: where unset sampling parameters (temperature, top_p, top_k,
+        min_p) take their defaults, as vLLM's `--generation-config`: "auto" (the
+        model's generation_config.json, else its model card's recommendation), "vllm"
+        (neutral: temperature 1, top_p 1) or a PATH (a folder with
+        generation_config.json, or the file); see service/generation_config.py.
     """
 
     model: str | None = option(
@@ -90,6 +95,12 @@ class ModelConfig:
     adaptive_threads: bool = option(
         True, "CPU: use fewer threads than --num-threads while a step measures faster so "
         "(a busy neighbour took a core); --no-adaptive-threads pins the count")
+    generation_config: str = option(
+        "auto", "defaults of unset sampling parameters (temperature, top_p, top_k, min_p): "
+        "auto = the model's generation_config.json, else its model card's recommendation "
+        "(SmolLM2 Instruct: temperature 0.2, top_p 0.9); vllm = neutral (temperature 1, "
+        "top_p 1); PATH = a folder with generation_config.json, or the file",
+        metavar="auto|vllm|PATH")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -110,6 +121,8 @@ class ModelConfig:
                self.adaptive_threads)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
+        _check(isinstance(self.generation_config, str) and self.generation_config != "",
+               "generation_config", '"auto", "vllm" or a path', self.generation_config)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
                "quantization", 'None unless dtype is "float32" and device "cpu"',
                self.quantization)
