@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "use), sdpa (torch), auto = cpp when it builds (fp32), else sdpa")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
+    m.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch threads on the CPU; None = one per core this process may use "
+                        "(--replicas: from --num-cpus-per-replica)")
     m.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: linear layers in int8 (torch's dynamic quantization, fbgemm; "
                         "CPU, float32 only); none: dense weights, the default")
@@ -98,7 +101,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len,
-                          cpu_decode_kernel=a.cpu_decode_kernel,
+                          cpu_decode_kernel=a.cpu_decode_kernel, cpu_threads=a.cpu_threads,
                           quantization=None if a.quantization == "none" else a.quantization),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,
@@ -118,6 +121,56 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                                   batching=a.batching, schedule_interval=a.schedule_interval,
                                   max_queue_delay_ms=a.max_queue_delay_ms),
     )
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """`serve --replicas N`: engine replicas on Ray Serve (the `cluster` extra)."""
+    g = p.add_argument_group("cluster (Ray Serve; needs the cluster extra)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve with N engine replicas behind one endpoint on Ray Serve "
+                        "(prefix-cache-affinity routing); None = one in-process engine")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. ray://head:10001 or head:6379); None = "
+                        "a Ray instance already running on this machine, else a new local one")
+    g.add_argument("--num-cpus-per-replica", type=float, default=1.0, metavar="CPUS",
+                   help="Ray CPUs per replica (fractions allowed); torch threads per replica "
+                        "= max(1, round(CPUS)) unless --cpu-threads is given")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0.0, metavar="GPUS",
+                   help="Ray GPUs per replica")
+    g.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="autoscaling: fewest replicas (with --max-replicas; --replicas is the "
+                        "initial count)")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="autoscaling: most replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=16.0, metavar="N",
+                   help="autoscaling: requests in flight per replica that Ray Serve aims for")
+    g.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                   help="requests one replica may hold (Ray Serve queues the rest); None = "
+                        "max_num_seqs + max_waiting_requests + 16")
+    g.add_argument("--routing", default="prefix-affinity", choices=["prefix-affinity",
+                                                                     "power-of-two"],
+                   help="replica choice: prefix-cache affinity with power-of-two balancing, "
+                        "or power of two choices alone")
+    g.add_argument("--imbalanced-threshold", type=int, default=4, metavar="REQUESTS",
+                   help="prefix-affinity: when replicas' requests in flight differ by more, "
+                        "load decides (power of two), not the cache")
+    g.add_argument("--match-rate-threshold", type=float, default=0.5, metavar="FRACTION",
+                   help="prefix-affinity: fraction of a prompt's full blocks that must be on "
+                        "one replica for affinity to send it there")
+
+
+def cluster_config(a: argparse.Namespace):
+    """The cluster flags as a ClusterConfig (raises ValueError for bad values)."""
+    from service.cluster.config import ClusterConfig
+
+    return ClusterConfig(num_replicas=a.replicas or 1, min_replicas=a.min_replicas,
+                         max_replicas=a.max_replicas,
+                         target_ongoing_requests=a.target_ongoing_requests,
+                         num_cpus_per_replica=a.num_cpus_per_replica,
+                         num_gpus_per_replica=a.num_gpus_per_replica,
+                         max_ongoing_requests=a.max_ongoing_requests, routing=a.routing,
+                         imbalanced_threshold=a.imbalanced_threshold,
+                         match_rate_threshold=a.match_rate_threshold)
 
 
 def _has_uvloop() -> bool:
@@ -158,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM/SIGINT, how long requests in flight may finish before "
                           "they are cancelled (a second signal cancels them at once)")
     add_engine_args(serve)
+    add_cluster_args(serve)
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"],
                        help="log level; JSON lines unless stderr is a terminal")
@@ -240,6 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     from service.logs import configure_logging
 
     configure_logging(a.log_level)
+    if a.replicas is not None:
+        from service.cluster import ClusterUnavailable, require_ray
+
+        try:
+            require_ray()
+            from service.cluster.launch import serve_cluster
+
+            return serve_cluster(a)
+        except ClusterUnavailable as e:
+            print(f"conveyor: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"conveyor: {e}", file=sys.stderr)
+            return 2
     runner = asyncio.run
     if a.loop == "uvloop":
         import uvloop

@@ -34,6 +34,8 @@ class ModelConfig:
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
         or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    cpu_threads: torch intra-op threads on the CPU; None = one per core this process may
+        run on. Set it when several engines share a machine (cluster replicas).
     """
 
     model: str | None = None
@@ -43,6 +45,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     cpu_decode_kernel: str = "auto"
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -55,6 +58,8 @@ class ModelConfig:
                ">= 1 tokens", self.max_model_len)
         _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
+               ">= 1 or None", self.cpu_threads)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),

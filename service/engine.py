@@ -165,6 +165,11 @@ class Engine:
         as a real kernel or runtime failure would."""
         self._fault_steps += steps
 
+    def stats(self) -> EngineState | None:
+        """Running and waiting requests, KV usage (0..1), prefix-cache and preemption
+        counters, as /metrics shows them; None before start()."""
+        return self._metrics_state()
+
     def _metrics_state(self) -> EngineState | None:
         if self._scheduler is None:
             return None
@@ -204,6 +209,13 @@ class Engine:
     @property
     def tokenizer(self):
         return self.runner.tokenizer
+
+    @property
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        """Admission's prompt -> token ids (chat template, checks); other front ends that
+        tokenize before they hand ids over (the cluster ingress) use the same one."""
+        assert self._prompts is not None, "Engine.start() has not run"
+        return self._prompts
 
     @property
     def num_unfinished(self) -> int:

@@ -51,9 +51,10 @@ class ModelRunner:
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
         if self.device.type == "cpu":
-            # One intra-op thread per core this process may use. Call from the thread
+            # One intra-op thread per core this process may use (or as configured:
+            # several engines on one machine). Call from the thread
             # that runs the steps: OpenMP's thread count is per calling thread.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+            torch.set_num_threads(mc.cpu_threads or max(1, len(os.sched_getaffinity(0))))
         if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
