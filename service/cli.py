@@ -163,7 +163,8 @@ def cluster_config(a: argparse.Namespace):
     """The cluster flags as a ClusterConfig (raises ValueError for bad values)."""
     from service.cluster.config import ClusterConfig
 
-    return ClusterConfig(num_replicas=a.replicas or 1, min_replicas=a.min_replicas,
+    return ClusterConfig(num_replicas=ClusterConfig.num_replicas if a.replicas is None
+                         else a.replicas, min_replicas=a.min_replicas,
                          max_replicas=a.max_replicas,
                          target_ongoing_requests=a.target_ongoing_requests,
                          num_cpus_per_replica=a.num_cpus_per_replica,

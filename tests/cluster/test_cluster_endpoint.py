@@ -1,0 +1,139 @@
+"""Two engine replicas on Ray Serve behind one WebSocket endpoint, with the real model.
+
+Through the real endpoint (Ray Serve's HTTP proxy -> ingress -> replicas): the
+/v1/stream checks the single-process server passes, prefix-cache affinity, spreading
+of unrelated prompts, and greedy outputs equal to the single-process server's.
+Tests run in file order on one cluster; the spreading test comes first, while the
+router's table is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protocol import Delta, Done, connect
+from service.config import ServerConfig
+from tests.cluster.conftest import cluster_marks, small_engine_config
+from tests.integration.greedy_prompts import GREEDY_PROMPTS
+from tests.integration.stream_checks import (check_bad_frames, check_cancel_mid_stream,
+                                             check_eight_requests_multiplexed,
+                                             check_hello_health_and_paris, collect)
+
+pytestmark = cluster_marks
+
+# 259 tokens of system prompt (18 numbered rules), 280 with the chat template's turn.
+SYSTEM = "You are the assistant of a ferry company. " + " ".join(
+    f"Rule {i}: answer questions about ferry number {i} politely." for i in range(18))
+
+
+async def ask(url: str, messages: list[dict[str, str]], max_tokens: int = 4) -> Done:
+    async with await connect(url) as client:
+        _, done = await collect(client.generate(messages=messages, max_tokens=max_tokens,
+                                                temperature=0, ignore_eos=True))
+    return done
+
+
+async def test_different_prompts_spread_over_both_replicas(cluster):
+    before = await cluster.routed()
+    for i in range(8):
+        content = f"Request number {i}: summarize this list. " + ", ".join(
+            f"item {i}-{k}" for k in range(12))  # ~110 tokens: 2 of 7 blocks shared
+        done = await ask(cluster.url, [{"role": "user", "content": content}])
+        assert done.finish_reason == "length"
+    got = await cluster.routed() - before
+    assert sum(got.values()) == 8 and len(got) == 2, got
+    assert min(got.values()) >= 2, got
+
+
+async def test_shared_prefix_requests_land_on_one_replica_and_hit_the_cache(cluster):
+    before = await cluster.routed()
+    dones = []
+    for i in range(8):
+        dones.append(await ask(cluster.url, [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"When does ferry {i} leave on day {i + 3}?"}]))
+    got = await cluster.routed() - before
+    assert len(got) == 1 and sum(got.values()) == 8, got
+    assert dones[0].usage.prompt_tokens >= 256 + 16
+    cached = [d.usage.cached_tokens for d in dones]
+    assert all(c >= 240 for c in cached[1:]), cached
+
+
+async def test_hello_health_and_paris(cluster):
+    await check_hello_health_and_paris(cluster.url, cluster.http + "/health")
+
+
+async def test_eight_requests_multiplexed_get_exactly_max_tokens(cluster):
+    await check_eight_requests_multiplexed(cluster.url)
+
+
+async def test_cancel_mid_stream(cluster):
+    await check_cancel_mid_stream(cluster.url)
+
+
+async def test_bad_frames_get_invalid_request_and_socket_keeps_working(cluster):
+    await check_bad_frames(cluster.url)
+
+
+async def test_metrics_show_every_replica_and_the_router(cluster):
+    status, text = await cluster.aget("/metrics")
+    assert status == 200
+    replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("conveyor:num_requests_running{")}
+    assert len(replicas) == 2 and all(r.startswith("SERVE_REPLICA::") for r in replicas)
+    assert 'conveyor:cluster_routing_decisions_total{reason="affinity"}' in text
+    assert text.count("# TYPE conveyor:prefix_cache_hits_total counter") == 1
+    status, body = await cluster.aget("/health")
+    assert status == 200 and '"replicas":2' in body
+
+
+async def test_greedy_outputs_equal_the_single_process_server(cluster, loaded_model):
+    from service.engine import Engine
+    from service.server import ConveyorServer
+
+    async def run(url: str) -> list[tuple[str, list[int]]]:
+        out = []
+        async with await connect(url) as client:
+            for prompt in GREEDY_PROMPTS:
+                deltas, done = await collect(client.generate(prompt=prompt, max_tokens=32,
+                                                             temperature=0))
+                assert done.finish_reason in ("stop", "length")
+                out.append(("".join(d.text for d in deltas),
+                            [t for d in deltas for t in d.token_ids]))
+        return out
+
+    from_cluster = await run(cluster.url)
+    async with Engine(small_engine_config(), loaded=loaded_model) as engine:
+        server = await ConveyorServer(engine, ServerConfig(port=0)).start()
+        try:
+            single = await run(server.url)
+        finally:
+            await server.close()
+    assert from_cluster == single
+    assert all(len(ids) >= 8 for _, ids in single)
+
+
+async def test_a_request_survives_its_socket_closing_elsewhere(cluster):
+    """Closing one socket cancels its requests only: another socket's request finishes."""
+    async with await connect(cluster.url) as keeper:
+        kept = keeper.generate(prompt="Count: 1, 2, 3,", max_tokens=24, ignore_eos=True,
+                               temperature=0)
+        async with await connect(cluster.url) as leaver:
+            gone = leaver.generate(prompt="Tell me a story.", max_tokens=400, ignore_eos=True)
+            async for ev in gone:
+                if isinstance(ev, Delta):
+                    break
+        deltas, done = await asyncio.wait_for(collect(kept), 120)
+    assert done.finish_reason == "length" and done.usage.completion_tokens == 24
+    # the abandoned 400-token request was aborted at its replica: both go idle soon
+    for _ in range(100):
+        status, text = await cluster.aget("/metrics")
+        running = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("conveyor:num_requests_running{")]
+        if len(running) == 2 and not any(running):
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError(f"replicas still running requests: {running}")
