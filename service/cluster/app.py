@@ -1,12 +1,12 @@
 """The Ray Serve application: EngineReplica deployment + Ingress, from Conveyor's configs.
 
     build_app(engine_config, server_config, cluster_config) -> serve.Application
-    app_builder({"args": "--replicas 2 --max-num-seqs 16"})  # `serve run` / Serve YAML
+    app_builder({"flags": "--replicas 2 --max-num-seqs 16"})  # `serve run` / Serve YAML
 
 `conveyor serve --replicas N` calls build_app (service.cluster.launch); an existing Ray
 cluster runs the same application from a Serve config file whose `import_path` is
-`service.cluster.app:app_builder` and whose `args.args` holds `conveyor serve` flags
-(examples/cluster/serve_config.yaml).
+`service.cluster.app:app_builder` and whose `args.flags` holds `conveyor serve` flags
+(service/cluster/serve_config.yaml).
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ def configs_from_argv(argv: list[str]) -> tuple[EngineConfig, ServerConfig, Clus
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Serve's application builder: `args["args"]` is a string of `conveyor serve` flags,
-    e.g. "--replicas 2 --max-num-seqs 16" (host and port are the proxy's: set them in
-    the Serve config's http_options)."""
-    unknown = set(args) - {"args"}
+    """Serve's application builder: `args["flags"]` is a string of `conveyor serve` flags,
+    e.g. "--replicas 2 --max-num-seqs 16" (--host and --port do not apply: the proxy's
+    are the Serve config's http_options). Raises ValueError for other keys or bad flags."""
+    unknown = set(args) - {"flags"}
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}; put `conveyor serve` "
-                         "flags in args.args, e.g. args: {args: '--replicas 2'}")
-    engine, server, cluster = configs_from_argv(shlex.split(str(args.get("args", ""))))
+                         "flags in args.flags, e.g. args: {flags: '--replicas 2'}")
+    engine, server, cluster = configs_from_argv(shlex.split(str(args.get("flags", ""))))
     return build_app(engine, server, cluster)

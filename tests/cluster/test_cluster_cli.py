@@ -51,8 +51,8 @@ async def test_serve_replicas_until_sigterm_then_drain():
     ray_before = _ray_processes()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--replicas", "2",
-         "--num-cpus-per-replica", "0.5", "--port", str(port), "--num-kv-blocks", "256",
+        [sys.executable, "-m", "service.cli", "serve", "--replicas", "1",
+         "--num-cpus-per-replica", "1", "--port", str(port), "--num-kv-blocks", "256",
          "--swap-space", "0", "--max-num-seqs", "8", "--shutdown-timeout", "60",
          "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
