@@ -99,3 +99,28 @@ def _ray_processes() -> set[tuple[int, str]]:
     return {(int(r[0]), r[1]) for r in rows if len(r) == 2 and
             any(k in r[1] for k in ("raylet", "gcs_server", "ray::", "ray/_private",
                                     "default_worker.py", "dashboard"))}
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed")
+def test_serve_config_example_is_valid_and_builds_the_app():
+    """The README's Serve config for existing clusters: Serve's schema accepts it and its
+    import_path builds the application from its flags (no Ray needed to build)."""
+    from pathlib import Path
+
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.cluster import app as app_module
+
+    path = Path(app_module.__file__).with_name("serve_config.yaml")
+    config = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    spec = schema.applications[0]
+    module, _, name = spec.import_path.partition(":")
+    assert module == app_module.__name__
+    assert isinstance(getattr(app_module, name)(spec.args), serve.Application)
+    with pytest.raises(ValueError, match="args.flags"):
+        app_module.app_builder({"replicas": 2})
+    with pytest.raises(ValueError, match="num_replicas"):
+        app_module.app_builder({"flags": "--replicas 0"})
