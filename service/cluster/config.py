@@ -1,13 +1,15 @@
 """ClusterConfig: how many engine replicas, their resources, autoscaling and routing.
 
-Pure (no Ray import): `conveyor serve --replicas N` builds one from its flags, and the
-Serve application (service.cluster.app) turns it into deployment options. Names follow
+Pure (no Ray import): `conveyor serve --replicas N` builds one from its flags (defined
+here, beside the fields they set), and the Serve application (service.cluster.app)
+turns it into deployment options. Names follow
 Ray Serve's deployment options where one exists (`num_replicas`, `max_ongoing_requests`,
 `min_replicas`, `max_replicas`, `target_ongoing_requests`).
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 ROUTING = ("prefix-affinity", "power-of-two")
@@ -89,3 +91,52 @@ class ClusterConfig:
     def torch_threads(self) -> int:
         """Torch threads per replica from its CPU reservation."""
         return max(1, round(self.num_cpus_per_replica))
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """`serve --replicas N`: engine replicas on Ray Serve (the `cluster` extra)."""
+    g = p.add_argument_group("cluster (Ray Serve; needs the cluster extra)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve with N engine replicas behind one endpoint on Ray Serve "
+                        "(prefix-cache-affinity routing); None = one in-process engine")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. ray://head:10001 or head:6379); None = "
+                        "a Ray instance already running on this machine, else a new local one")
+    g.add_argument("--num-cpus-per-replica", type=float, default=1.0, metavar="CPUS",
+                   help="Ray CPUs per replica (fractions allowed); torch threads per replica "
+                        "= max(1, round(CPUS)) unless --cpu-threads is given")
+    g.add_argument("--num-gpus-per-replica", type=float, default=0.0, metavar="GPUS",
+                   help="Ray GPUs per replica")
+    g.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                   help="autoscaling: fewest replicas (with --max-replicas; --replicas is the "
+                        "initial count)")
+    g.add_argument("--max-replicas", type=int, default=None, metavar="N",
+                   help="autoscaling: most replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=16.0, metavar="N",
+                   help="autoscaling: requests in flight per replica that Ray Serve aims for")
+    g.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                   help="requests one replica may hold (Ray Serve queues the rest); None = "
+                        "max_num_seqs + max_waiting_requests + 16")
+    g.add_argument("--routing", default="prefix-affinity", choices=["prefix-affinity",
+                                                                     "power-of-two"],
+                   help="replica choice: prefix-cache affinity with power-of-two balancing, "
+                        "or power of two choices alone")
+    g.add_argument("--imbalanced-threshold", type=int, default=4, metavar="REQUESTS",
+                   help="prefix-affinity: when replicas' requests in flight differ by more, "
+                        "load decides (power of two), not the cache")
+    g.add_argument("--match-rate-threshold", type=float, default=0.5, metavar="FRACTION",
+                   help="prefix-affinity: fraction of a prompt's full blocks that must be on "
+                        "one replica for affinity to send it there")
+
+
+def cluster_config(a: argparse.Namespace) -> ClusterConfig:
+    """The cluster flags as a ClusterConfig (raises ValueError for bad values)."""
+    return ClusterConfig(num_replicas=ClusterConfig.num_replicas if a.replicas is None
+                         else a.replicas, min_replicas=a.min_replicas,
+                         max_replicas=a.max_replicas,
+                         target_ongoing_requests=a.target_ongoing_requests,
+                         num_cpus_per_replica=a.num_cpus_per_replica,
+                         num_gpus_per_replica=a.num_gpus_per_replica,
+                         max_ongoing_requests=a.max_ongoing_requests, routing=a.routing,
+                         imbalanced_threshold=a.imbalanced_threshold,
+                         match_rate_threshold=a.match_rate_threshold)

@@ -42,7 +42,8 @@ def serve_cluster(a: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from service.cli import cluster_config, engine_config, server_config
+    from service.cli import engine_config, server_config
+    from service.cluster.config import cluster_config
     from service.cluster.app import build_app
 
     engine, net, cluster = engine_config(a), server_config(a), cluster_config(a)

@@ -64,11 +64,13 @@ class ReplicaInfo(Struct, frozen=True, kw_only=True):
     """What an ingress needs from a replica to admit requests like the engine does.
 
     tokenizer: the engine's transformers tokenizer (pickled by Ray); vocab_size: ids
-    must be below it; block_size: tokens per KV block (for the routing hashes).
+    must be below it; block_size: tokens per KV block (for the routing hashes);
+    num_kv_blocks: the whole KV cache (a request must fit it alone).
     """
 
     model_name: str
     max_model_len: int
     vocab_size: int
     block_size: int
+    num_kv_blocks: int
     tokenizer: object

@@ -3,11 +3,11 @@
 The ingress's Connection (service/connection.py, unchanged) talks to this object as
 it talks to an in-process `Engine`: `add_request(..., sink=...)` -> prompt tokens,
 `abort(key)`, `model_name`, `max_model_len`, `metrics`. Admission's checks run here,
-with the engine's own helpers, before anything is routed:
+with the engine's own Preprocessor (service.admission), before anything is routed:
 
-    params / messages / ids checked (service.request_input), cheap length bound,
-    chat template + tokenizing in a thread pool (the engine's PromptTokenizer),
-    prompt + max_tokens <= max_model_len, full-block hashes (the engine's KVBlockPool)
+    params / messages / ids checked, cheap length bound, chat template + tokenizing
+    in a thread pool (the engine's PromptTokenizer), prompt + max_tokens within the
+    context and the KV cache, full-block hashes (the engine's KVBlockPool)
       -> ReplicaRequest -> handle.generate (streaming; the router picks the replica)
       <- Admitted (returned as the prompt length) | Error (raised as its ProtocolError)
       <- event batches, pumped into the sink by a task of the request's own
@@ -22,24 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from ray.exceptions import RayActorError
 
-from protocol import (ChatMessage, ContextLengthExceeded, Delta, Done, DuplicateId, Error,
-                      InternalError, InvalidRequest, Overloaded, SamplingParams, ShuttingDown,
-                      Timings, Usage, error_from_frame)
-from service.block_pool import KVBlockPool
+from protocol import (ChatMessage, Delta, Done, DuplicateId, Error, InternalError,
+                      SamplingParams, ShuttingDown, Timings, Usage, error_from_frame)
+from service.admission import Preprocessor
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
-from service.request_input import coerce_messages, coerce_params, coerce_token_ids
+from service.core.block_pool import KVBlockPool
 from service.request_stream import Event, RequestStream, Sink
 from service.tokenize_prompt import PromptTokenizer
 
@@ -49,6 +46,8 @@ ADMIT_ATTEMPTS = 3
 """Sends of one request while its replica dies before admitting it (nothing was queued
 or streamed, so another replica may take it)."""
 ABORT_TIMEOUT_S = 10.0
+RETRY_AFTER_MS = 1000
+"""When a client refused for too many prompts being tokenized here should retry."""
 
 
 def fresh_call(method: Any, *args: Any) -> Any:
@@ -110,12 +109,13 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
         self.metrics = metrics
-        self._prompts = PromptTokenizer(info.tokenizer, info.vocab_size)
+        # The engine's own admission checks and tokenizing (thread pool), for its model.
+        self._admission = Preprocessor(
+            PromptTokenizer(info.tokenizer, info.vocab_size), info.max_model_len,
+            info.num_kv_blocks, info.block_size, max_waiting_requests,
+            retry_after_ms=lambda: RETRY_AFTER_MS)
         # A one-block pool, only for its block_hashes: the engine's own chained hash.
         self._hasher = KVBlockPool(1, info.block_size)
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-ingress-prompt")
-        self._max_preprocessing = max_waiting_requests
-        self._preprocessing = 0
         self._instance = uuid.uuid4().hex[:8]  # engine keys unique across ingresses
         self._live: dict[str, _Remote] = {}
         self._admitting: set[str] = set()
@@ -148,7 +148,7 @@ class RemoteEngine:
             if live.task is not None:
                 live.task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._admission.close()
 
     # ---- admission -------------------------------------------------------------------
     async def add_request(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
@@ -166,8 +166,9 @@ class RemoteEngine:
         self._check_accepting(key, client_id)
         self._admitting.add(key)
         try:
-            ids, params = await self._preprocess(messages, prompt, prompt_token_ids, params,
-                                                 client_id)
+            ids, params = await self._admission.prepare(
+                messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                params=params, client_id=client_id)
             self._check_accepting(key, client_id, admitting=True)
             stream = None
             if sink is None:
@@ -197,41 +198,6 @@ class RemoteEngine:
         if key in self._live or (not admitting and key in self._admitting):
             raise DuplicateId(f"request id {client_id!r} is already in flight",
                               param="$.id", request_id=client_id)
-
-    async def _preprocess(self, messages, prompt, prompt_token_ids, params,
-                          client_id: str) -> tuple[list[int], SamplingParams]:
-        """Engine.add_request's checks and tokenizing, in the same order."""
-        params = coerce_params(params, request_id=client_id)
-        if messages is not None:
-            messages = coerce_messages(messages, request_id=client_id)
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
-                                 param="$.prompt", request_id=client_id)
-        if prompt_token_ids is not None:
-            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
-        prompts = self._prompts
-        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
-                                              token_ids=prompt_token_ids),
-                           params.max_tokens, self.max_model_len, client_id)
-        tokenize = functools.partial(prompts, messages=messages, prompt=prompt,
-                                     token_ids=prompt_token_ids, request_id=client_id)
-        if prompt_token_ids is not None:
-            ids = tokenize()
-        else:
-            if self._preprocessing >= self._max_preprocessing:
-                raise Overloaded("too many prompts are being tokenized", request_id=client_id,
-                                 retry_after_ms=1000)
-            self._preprocessing += 1
-            try:
-                ids = await asyncio.get_running_loop().run_in_executor(self._pool, tokenize)
-            finally:
-                self._preprocessing -= 1
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context ({self.max_model_len})", param="$.params.max_tokens",
-                request_id=client_id)
-        return ids, params
 
     async def _send(self, request: ReplicaRequest) -> tuple[Any, Admitted]:
         """Route the request and wait for the replica's admission.

@@ -91,12 +91,12 @@ class EngineReplica:
 
     async def info(self) -> ReplicaInfo:
         """Model facts and the tokenizer, for an ingress to admit requests as we do."""
-        prompts = self.engine.prompt_tokenizer
-        return ReplicaInfo(model_name=self.engine.model_name,
-                           max_model_len=self.engine.max_model_len,
-                           vocab_size=prompts.vocab_size,
-                           block_size=self.engine.config.cache.block_size,
-                           tokenizer=prompts.tokenizer)
+        engine = self.engine
+        return ReplicaInfo(model_name=engine.model_name, max_model_len=engine.max_model_len,
+                           vocab_size=engine.runner.vocab_size,
+                           block_size=engine.config.cache.block_size,
+                           num_kv_blocks=engine.scheduler.pool.num_blocks,
+                           tokenizer=engine.tokenizer)
 
     async def metrics_text(self, pin: ReplicaPin | None = None) -> bytes:
         """This engine's Prometheus text (`pin` routes the call here)."""
@@ -117,13 +117,12 @@ class EngineReplica:
         return {"kv_usage": s.kv_usage, "running": s.running, "waiting": s.waiting}
 
     async def check_health(self) -> None:
-        """Ray Serve's health check: raises when the engine cannot serve (its step loop
-        ended), so Serve replaces this replica."""
-        if not self.engine.ready:
-            raise RuntimeError(f"engine of replica {self.replica_id} is not ready")
-        task = self.engine._task
-        if task is not None and task.done():
-            raise RuntimeError(f"the step loop of replica {self.replica_id} ended")
+        """Ray Serve's health check: raises when the engine cannot serve (`Engine.health`:
+        its step loop died, or one step has stalled past step_timeout_s), so Serve
+        replaces this replica. Draining is healthy: Serve drains replicas itself."""
+        ok, why = self.engine.health()
+        if not ok and why != "draining":
+            raise RuntimeError(f"replica {self.replica_id}: {why}")
 
     async def __del__(self) -> None:
         await self.engine.close()

@@ -3,7 +3,8 @@
 One Ray start per test module (module scope): Ray itself takes ~10 s here and each
 replica loads the model (~30-60 s on 2 shared cores, the two in parallel). Ray gets
 2 CPUs; each replica reserves 0.5 and runs 1 torch thread. Modules that need it set
-`pytestmark = cluster_marks` (skipped, with the install hint, without the extra).
+`pytestmark = cluster_marks` (marked slow: `scripts/test --all` and CI run them;
+skipped, with the install hint, without the extra).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 HAVE_RAY = importlib.util.find_spec("ray") is not None and \
     importlib.util.find_spec("fastapi") is not None
 cluster_marks = [
-    pytest.mark.cluster, pytest.mark.model,
+    pytest.mark.cluster, pytest.mark.model, pytest.mark.slow,
     pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed: "
                                             "pip install -e '.[cluster]'"),
 ]

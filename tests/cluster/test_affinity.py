@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from service.block_pool import KVBlockPool
+from service.core.block_pool import KVBlockPool
 from service.cluster.affinity import (AFFINITY, LEAST_CACHED, POWER_OF_TWO, AffinityConfig,
                                       PrefixAffinityTable, ReplicaLoad, RouteDecision, choose)
 

@@ -44,6 +44,7 @@ def test_bad_cluster_flags_fail_before_ray_starts(flags, field, capsys):
 
 @pytest.mark.cluster
 @pytest.mark.model
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed: "
                                          "pip install -e '.[cluster]'")
 async def test_serve_replicas_until_sigterm_then_drain():

@@ -20,7 +20,7 @@ if HAVE_RAY:
 
     from protocol import (ContextLengthExceeded, Delta, Done, Error, InvalidRequest,
                           SamplingParams, ShuttingDown, Timings, Usage)
-    from service.block_pool import KVBlockPool
+    from service.core.block_pool import KVBlockPool
     from service.cluster.ingress_metrics import IngressMetrics
     from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
     from service.cluster.remote_engine import RemoteEngine
@@ -88,7 +88,7 @@ class FakeHandle:
 def make_engine(tokenizer, streams: list[FakeStream]) -> tuple[RemoteEngine, FakeHandle]:
     handle = FakeHandle(streams)
     info = ReplicaInfo(model_name="SmolLM2-135M-Instruct", max_model_len=512, vocab_size=49152,
-                       block_size=16, tokenizer=tokenizer)
+                       block_size=16, num_kv_blocks=64, tokenizer=tokenizer)
     return RemoteEngine(handle, info, IngressMetrics("SmolLM2-135M-Instruct")), handle
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
-from service.quantization import Int8Linear
+from service.worker.quantization import Int8Linear
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,

@@ -1,4 +1,4 @@
-"""service.quantization: per-channel weights, int8 linear layers, SmoothQuant factors,
+"""service.worker.quantization: per-channel weights, int8 linear layers, SmoothQuant factors,
 calibration data; the --quantization setting (config and CLI)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from service.cli import add_engine_args, engine_config
 from service.config import ModelConfig
-from service.quantization import (AmaxObserver, DenseLinear, Int8Linear, calibration_token_ids,
+from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear, calibration_token_ids,
                                   quantize_per_channel, smoothing_factors)
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -136,7 +136,7 @@ def smollm_tokenizer():
     """The default model's tokenizer alone (no weights)."""
     from transformers import AutoTokenizer
 
-    from service.loader import _source, default_model_path
+    from service.worker.loader import _source, default_model_path
 
     folder, kw = _source(default_model_path())
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)

@@ -4,7 +4,7 @@ The model knows nothing of requests, blocks or scheduling: it gets token ids,
 positions and the attention metadata of one step, and reads and writes the
 per-layer KV cache tensors it is handed. Weights are fused once at load (q|k|v and
 gate|up) in the `[out, in]` layout that `F.linear` reads fastest; `quantize_int8`
-turns them into int8 layers after a calibration pass (`service.quantization`).
+turns them into int8 layers after a calibration pass (`service.worker.quantization`).
 
 Two kernel paths:
 - Triton (CUDA): every kernel through one `KernelOps` (`kernels.select_ops`).
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from kernels import KernelOps
 from kernels.paged_attention import AttentionWork
 from kernels.paged_attention_cpu import CpuAttentionPlan, cpu_paged_attention
-from service.loader import LoadedModel
-from service.quantization import (AmaxObserver, DenseLinear, Int8Linear, Linear,
+from service.worker.loader import LoadedModel
+from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear, Linear,
                                   smoothing_factors)
 
 
@@ -95,7 +95,7 @@ class LlamaModel:
     """Weights and forward of a Llama-family decoder.
 
     Args:
-        loaded: config and HF-named weights from `service.loader.load_model`.
+        loaded: config and HF-named weights from `service.worker.loader.load_model`.
         ops: the kernels to use.
         device, dtype: where and in what the weights live (dense; see `quantize_int8`).
     """
