@@ -19,8 +19,12 @@ For each request, with `loads` the requests in flight at each live replica:
    ("power_of_two"; Mitzenmacher, "The Power of Two Choices in Randomized Load
    Balancing", IEEE TPDS 2001). Affinity never overrides a real imbalance.
 
-After routing, every block hash of the request is recorded for the chosen replica
-(LRU, at most `max_table_blocks` hashes in all).
+Every block hash of the request is recorded for the chosen replica (LRU, at most
+`max_table_blocks` hashes in all) as soon as the choice is made, and the choice counts
+as load on that replica until Ray Serve has sent the request (`PendingChoices`): a burst
+of requests is routed in one sweep, before any send updates the queue lengths, and a
+deterministic rule must not send the whole burst to one replica ("herding", the reason
+power of two choices randomizes).
 
 Sources: Ray Serve LLM's `PrefixCacheAffinityRouter` (`ray.serve.llm.request_router`:
 balanced-load check, prefix match rate threshold, smallest-tenant fallback, power of
@@ -144,6 +148,36 @@ class PrefixAffinityTable:
         for h in [h for h, r in self._owner.items() if r == replica_id]:
             del self._owner[h]
         del self._count[replica_id]
+
+
+class PendingChoices:
+    """Choices made but not yet seen sent, by request: they count as load meanwhile.
+
+    E.g. add("r1", "A", now=0.0); add("r2", "A", now=0.1) -> counts(0.2) == {"A": 2};
+    confirm("r1") -> {"A": 1}; a choice never confirmed (its request was cancelled
+    while routing) stops counting after `ttl_s` seconds.
+    """
+
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self.ttl_s = ttl_s
+        self._choices: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def add(self, request_id: str, replica_id: str, now: float) -> None:
+        self._choices.pop(request_id, None)
+        self._choices[request_id] = (replica_id, now)
+
+    def confirm(self, request_id: str) -> None:
+        """The request was sent (Ray Serve's queue lengths now include it)."""
+        self._choices.pop(request_id, None)
+
+    def counts(self, now: float) -> Counter[str]:
+        """Unconfirmed choices per replica, dropping those older than ttl_s."""
+        while self._choices:
+            rid, (_, when) = next(iter(self._choices.items()))
+            if now - when <= self.ttl_s:
+                break
+            del self._choices[rid]
+        return Counter(replica for replica, _ in self._choices.values())
 
 
 def choose(hashes: Sequence[int], loads: Sequence[ReplicaLoad], table: PrefixAffinityTable,

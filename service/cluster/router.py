@@ -11,9 +11,10 @@ first rank that has room (queue length below `max_ongoing_requests`).
     anything else                    -> power of two choices
 
 Loads are Ray Serve's queue lengths (requests in flight at each replica, from its
-cache, probed when stale: as Ray Serve LLM's PrefixCacheAffinityRouter does); the
-replicas' routing stats (`EngineReplica.record_routing_stats`: KV usage, running,
-waiting) break ties. The affinity table lives in this router only: nothing is shared
+cache, probed when stale: as Ray Serve LLM's PrefixCacheAffinityRouter does) plus this
+router's choices not yet sent (Serve routes a burst in one synchronous sweep, before
+the sends update its cache); the replicas' routing stats
+(`EngineReplica.record_routing_stats`: KV usage, running, waiting) break ties. The affinity table lives in this router only: nothing is shared
 between ingress processes (each learns from what it routes itself). Ray Serve ships
 this module to the handle's process pickled by value, so anything the ingress must
 find goes through service.cluster.registry.
@@ -22,14 +23,15 @@ find goes through service.cluster.registry.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from service.cluster import registry
-from service.cluster.affinity import (POWER_OF_TWO, AffinityConfig, PrefixAffinityTable,
-                                      ReplicaLoad, choose)
+from service.cluster.affinity import (POWER_OF_TWO, AffinityConfig, PendingChoices,
+                                      PrefixAffinityTable, ReplicaLoad, choose)
 from service.cluster.messages import ReplicaPin, ReplicaRequest
 
 PINNED = "pinned"
@@ -64,6 +66,7 @@ class PrefixCacheAffinityRouter(RequestRouter):
                                      match_rate_threshold=match_rate_threshold,
                                      max_table_blocks=max_table_blocks)
         self.table = PrefixAffinityTable(self.config.max_table_blocks)
+        self.pending = PendingChoices()
         self._rng = random.Random(seed)
         self.decisions: Counter[str] = Counter()  # routing attempts by reason
         registry.register(self)  # for the ingress's /health and /metrics
@@ -97,6 +100,13 @@ class PrefixCacheAffinityRouter(RequestRouter):
             return []  # no queue length known: Serve backs off and asks again
         decision = choose(hashes, loads, self.table, self.config, self._rng)
         self.decisions[decision.reason] += 1
+        if len(decision.replicas) == 1 and pending_request is not None:
+            # the choice is made: it counts now, for the next request of a burst
+            target = decision.replicas[0]
+            self.pending.add(pending_request.metadata.internal_request_id, target,
+                             time.monotonic())
+            if hashes:
+                self.table.record(hashes, target)
         return [[by_id[rid] for rid in decision.replicas]]
 
     async def _loads(self, candidates: list[RunningReplica]) -> list[ReplicaLoad]:
@@ -115,16 +125,19 @@ class PrefixCacheAffinityRouter(RequestRouter):
             for r, n in await self._probe_queue_lens(stale, 0):
                 if n is not None:
                     lens[r.replica_id] = n
+        unsent = self.pending.counts(time.monotonic())
         loads = []
         for r in candidates:
             if r.replica_id in lens:
+                rid = r.replica_id.to_full_id_str()
                 stats = r.routing_stats or {}
-                loads.append(ReplicaLoad(r.replica_id.to_full_id_str(), lens[r.replica_id],
+                loads.append(ReplicaLoad(rid, lens[r.replica_id] + unsent[rid],
                                          float(stats.get("kv_usage", 0.0))))
         return loads
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        self.pending.confirm(pending_request.metadata.internal_request_id)
         request = _find(pending_request, ReplicaRequest)
         if self.affinity and request is not None and request.block_hashes:
             self.table.record(request.block_hashes, replica_id.to_full_id_str())

@@ -13,7 +13,8 @@ import pytest
 
 from service.core.block_pool import KVBlockPool
 from service.cluster.affinity import (AFFINITY, LEAST_CACHED, POWER_OF_TWO, AffinityConfig,
-                                      PrefixAffinityTable, ReplicaLoad, RouteDecision, choose)
+                                      PendingChoices, PrefixAffinityTable, ReplicaLoad,
+                                      RouteDecision, choose)
 
 BS = 16
 HASHER = KVBlockPool(1, BS)
@@ -126,6 +127,48 @@ def test_dead_replica_is_never_chosen_and_its_prefixes_move():
     assert d.reason == LEAST_CACHED and d.replicas[0] in ("B", "C")
     t.record(h, d.replicas[0])
     assert choose(h, loads(B=0, C=0), t, cfg, rng) == RouteDecision(d.replicas, AFFINITY, len(h))
+
+
+def test_pending_choices_count_until_confirmed_or_expired():
+    p = PendingChoices(ttl_s=10)
+    p.add("r1", "A", now=0.0)
+    p.add("r2", "A", now=1.0)
+    p.add("r3", "B", now=2.0)
+    assert p.counts(now=3.0) == {"A": 2, "B": 1}
+    p.confirm("r1")
+    p.confirm("unknown")
+    assert p.counts(now=3.0) == {"A": 1, "B": 1}
+    assert p.counts(now=11.5) == {"B": 1}  # r2 never confirmed: expired
+    assert p.counts(now=12.5) == {}
+
+
+def test_a_burst_routed_before_any_send_does_not_herd():
+    """Ray Serve routes a burst in one sweep: its queue lengths stay at 0 until the sends.
+    Counting the router's own unsent choices spreads new prompts 4/4 and lets a shared
+    prefix stay on one replica only while the spread stays within the threshold."""
+    t, cfg, rng, pending = PrefixAffinityTable(1 << 16), AffinityConfig(), random.Random(6), \
+        PendingChoices()
+    for i in range(8):
+        counts = pending.counts(now=0.0)
+        h = hashes(request(i, shared=False))
+        d = choose(h, [ReplicaLoad(r, counts[r]) for r in ("A", "B")], t, cfg, rng)
+        pending.add(f"r{i}", d.replicas[0], now=0.0)
+        t.record(h, d.replicas[0])
+    assert pending.counts(now=0.0) == {"A": 4, "B": 4}
+    t, pending = PrefixAffinityTable(1 << 16), PendingChoices()
+    sent = []
+    for i in range(12):
+        counts = pending.counts(now=0.0)
+        h = hashes(request(i))
+        d = choose(h, [ReplicaLoad(r, counts[r]) for r in ("A", "B")], t, cfg, rng)
+        target = min(d.replicas, key=lambda r: counts[r])
+        pending.add(f"s{i}", target, now=0.0)
+        t.record(h, target)
+        sent.append((target, d.reason))
+    first = sent[0][0]
+    assert [r for r, _ in sent[:5]] == [first] * 5  # affinity up to a spread of 4 ...
+    assert sent[5][1] == POWER_OF_TWO and sent[5][0] != first  # ... then balance
+    assert max(pending.counts(now=0.0).values()) - min(pending.counts(now=0.0).values()) <= 5
 
 
 def test_one_replica_and_no_hashes():
