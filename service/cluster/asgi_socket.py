@@ -65,7 +65,8 @@ class AsgiSocket:
             frame = text if text is not None else data
             if frame is None:
                 continue
-            size = len(frame) if isinstance(frame, bytes) else len(frame.encode("utf-8", "surrogatepass"))
+            size = len(frame) if isinstance(frame, bytes) else \
+                len(frame.encode("utf-8", "surrogatepass"))
             if size > self._max:
                 await self.close(CLOSE_MESSAGE_TOO_BIG,
                                  f"frame of {size} bytes is over the limit of {self._max}")

@@ -61,7 +61,9 @@ class ClusterConfig:
                "min_replicas/max_replicas", "both set (autoscaling) or both None",
                (self.min_replicas, self.max_replicas))
         if self.autoscaling:
-            _check(0 <= self.min_replicas <= self.num_replicas <= self.max_replicas,  # type: ignore[operator]
+            low, high = self.min_replicas, self.max_replicas
+            assert low is not None and high is not None
+            _check(0 <= low <= self.num_replicas <= high,
                    "replica counts", "0 <= min_replicas <= num_replicas <= max_replicas, "
                    "max_replicas >= 1", (self.min_replicas, self.num_replicas, self.max_replicas))
         _check(self.target_ongoing_requests > 0, "target_ongoing_requests", "> 0",

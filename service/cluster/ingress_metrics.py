@@ -4,7 +4,8 @@ Each replica renders its engine's Prometheus text (the single-process names, `co
 prefix, vLLM's meanings); the ingress parses it and adds a `replica` label (the Ray
 Serve replica id), so one scrape of the proxy shows all replicas side by side:
 
-    conveyor:num_requests_running{model_name="SmolLM2-135M-Instruct",replica="SERVE_REPLICA::conveyor#EngineReplica#ab12"} 3.0
+    conveyor:num_requests_running{model_name="SmolLM2-135M-Instruct",
+                                  replica="SERVE_REPLICA::conveyor#EngineReplica#ab12"} 3.0
 
 The ingress's own, under the same prefix:
     websocket_connections                    open sockets on this ingress

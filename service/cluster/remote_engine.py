@@ -151,7 +151,8 @@ class RemoteEngine:
         self._admission.close()
 
     # ---- admission -------------------------------------------------------------------
-    async def add_request(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+    async def add_request(self, *,
+                          messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
                           prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                           params: SamplingParams | Mapping[str, Any] | None = None,
                           request_id: str | None = None, client_id: str | None = None,

@@ -14,8 +14,9 @@ Loads are Ray Serve's queue lengths (requests in flight at each replica, from it
 cache, probed when stale: as Ray Serve LLM's PrefixCacheAffinityRouter does) plus this
 router's choices not yet sent (Serve routes a burst in one synchronous sweep, before
 the sends update its cache); the replicas' routing stats
-(`EngineReplica.record_routing_stats`: KV usage, running, waiting) break ties. The affinity table lives in this router only: nothing is shared
-between ingress processes (each learns from what it routes itself). Ray Serve ships
+(`EngineReplica.record_routing_stats`: KV usage, running, waiting) break ties. The
+affinity table lives in this router only: nothing is shared between ingress processes
+(each learns from what it routes itself). Ray Serve ships
 this module to the handle's process pickled by value, so anything the ingress must
 find goes through service.cluster.registry.
 """
