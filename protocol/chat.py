@@ -175,7 +175,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="chat", description="Chat with a Conveyor server.")
     parser.add_argument("--url", default=DEFAULT_URL, help=f"WebSocket URL (default {DEFAULT_URL})")
     parser.add_argument("--system", help="system message opening the conversation")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    parser.add_argument("--temperature", type=float,
+                        help="sampling temperature (0 = greedy); default: the server's, from "
+                             "the model's generation config")
     parser.add_argument("--max-tokens", type=int, help="most tokens per answer")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     return parser.parse_args(argv)
@@ -202,6 +204,9 @@ async def _chat(args: argparse.Namespace) -> int:
         chat = Chat(client, sys.stdout, system=args.system, params=params, color=sys.stdout.isatty())
         hello = client.hello
         chat.note(f"{hello.model} (context {hello.max_model_len} tokens) at {args.url}")
+        if hello.sampling_defaults and "temperature" not in params:
+            d = hello.sampling_defaults
+            chat.note("the model's defaults: " + ", ".join(f"{k} {v:g}" for k, v in d.items()))
         chat.note("Ctrl-C stops an answer; Ctrl-D or Ctrl-C at the prompt quits.")
         threading.Thread(target=_read_stdin, args=(loop, chat.lines), daemon=True).start()
         loop.add_signal_handler(signal.SIGINT, chat.interrupt)

@@ -66,14 +66,20 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     ranges (`Meta`), direct construction does not.
 
     Every number is range-checked (NaN and infinities never pass), so nothing a
-    client sends can overflow the engine's policy or sampler arithmetic:
+    client sends can overflow the engine's policy or sampler arithmetic.
+
+    `temperature`, `top_p`, `top_k` and `min_p` default to None, "unset": the engine
+    fills an unset one from the model's generation config at admission (vLLM's
+    `--generation-config auto`; see `service.generation_config`), so "unset" and "set
+    to 1.0" differ on the wire. The values in brackets below are the neutral ones
+    (`--generation-config vllm`).
 
     Fields:
         max_tokens: int in [1, 2**31 - 1], most tokens to generate (default 256).
-        temperature: float in [0, 100], 0 means greedy (default 1.0).
-        top_p: float in (0, 1], nucleus sampling (default 1.0 = off).
-        top_k: int in [0, 2**31 - 1], 0 means off.
-        min_p: float in [0, 1], 0 means off.
+        temperature: float in [0, 100] or None, 0 means greedy (neutral 1.0).
+        top_p: float in (0, 1] or None, nucleus sampling (neutral 1.0 = off).
+        top_k: int in [0, 2**31 - 1] or None, 0 means off (neutral 0).
+        min_p: float in [0, 1] or None, 0 means off (neutral 0.0).
         seed: int in [-2**63, 2**63 - 1] (64-bit) or None; the same seed, prompt and
             params give the same output.
         stop: at most 8 non-empty strings; generation ends before the first one.
@@ -88,10 +94,10 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     """
 
     max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 256
-    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: Annotated[
         tuple[Annotated[str, Meta(min_length=1)], ...], Meta(max_length=MAX_STOP_STRINGS)
@@ -159,12 +165,18 @@ ClientMessage = Union[Generate, Cancel, Ping]
 # --- server to client -------------------------------------------------------
 
 
-class Hello(_Frame, tag="hello"):
-    """First frame on every connection."""
+class Hello(_Frame, tag="hello", omit_defaults=True):
+    """First frame on every connection.
+
+    `sampling_defaults`: the values an unset `temperature`, `top_p`, `top_k`, `min_p`
+    takes on this server (from the model's generation config); None from servers that
+    predate it.
+    """
 
     protocol: int
     model: str
     max_model_len: int
+    sampling_defaults: dict[str, float] | None = None
 
 
 class Pong(_Frame, tag="pong", omit_defaults=True):

@@ -18,6 +18,7 @@ from typing import Any
 
 from protocol import (ChatMessage, ContextLengthExceeded, InvalidRequest, Overloaded,
                       SamplingParams)
+from service.generation_config import SamplingDefaults
 from service.request_input import coerce_messages, coerce_params, coerce_token_ids
 from service.tokenize_prompt import PromptTokenizer
 
@@ -33,11 +34,14 @@ class Preprocessor:
         num_kv_blocks, block_size: the whole KV cache (a request must fit it alone).
         max_pending: most prompts being tokenized at once (beyond: Overloaded).
         retry_after_ms: when an Overloaded caller should retry, ms.
+        defaults: what unset sampling values become (the model's generation config).
     """
 
     def __init__(self, prompts: PromptTokenizer, max_model_len: int, num_kv_blocks: int,
-                 block_size: int, max_pending: int, retry_after_ms: Callable[[], int]) -> None:
+                 block_size: int, max_pending: int, retry_after_ms: Callable[[], int],
+                 defaults: SamplingDefaults | None = None) -> None:
         self.prompts = prompts
+        self.defaults = defaults or SamplingDefaults()
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -53,12 +57,13 @@ class Preprocessor:
                       prompt: str | None, prompt_token_ids: Sequence[int] | None,
                       params: SamplingParams | Mapping[str, Any] | None,
                       client_id: str) -> tuple[list[int], SamplingParams]:
-        """(prompt token ids, checked params) of one request.
+        """(prompt token ids, checked params) of one request; the params' unset
+        temperature / top_p / top_k / min_p take `self.defaults`, here and nowhere else.
 
         Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
         many prompts being tokenized).
         """
-        params = coerce_params(params, request_id=client_id)
+        params = self.defaults.apply(coerce_params(params, request_id=client_id))
         if messages is not None:
             messages = coerce_messages(messages, request_id=client_id)
         if prompt is not None and not isinstance(prompt, str):

@@ -73,6 +73,9 @@ async def _serve(a: argparse.Namespace) -> None:
         server = await ConveyorServer(engine, net).start()
         mode = f" ({cfg.model.quantization})" if cfg.model.quantization else ""
         print(f"conveyor: serving {engine.model_name}{mode} at {server.url}", flush=True)
+        print(f"conveyor: OpenAI Responses WebSocket mode at "
+              f"{server.url.rsplit('/v1/', 1)[0]}/v1/responses (openai SDK: base_url="
+              f"http://{a.host}:{server.port}/v1)", flush=True)
         print(f"conveyor: health at http://{a.host}:{server.port}/health", flush=True)
         try:
             await stop.wait()

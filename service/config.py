@@ -50,6 +50,9 @@ class ServerConfig:
         connection is dropped.
     ping_interval, ping_timeout: WebSocket keepalive, seconds; a peer that vanished
         without a FIN is dropped (and its requests cancelled) after about their sum.
+    responses_max_stored, responses_max_stored_tokens: per `/v1/responses` connection,
+        the most completed responses, and token ids of their contexts together (4 bytes
+        each), kept for `previous_response_id`; the oldest is dropped first.
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -80,6 +83,12 @@ class ServerConfig:
     close_timeout: float = 5.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
+    responses_max_stored: int = option(
+        64, "/v1/responses: completed responses kept per connection for "
+        "previous_response_id (oldest dropped first)", metavar="N")
+    responses_max_stored_tokens: int = option(
+        1 << 18, "/v1/responses: token ids of the kept responses' contexts, per connection "
+        "(4 bytes each)", metavar="TOKENS")
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
@@ -107,3 +116,7 @@ class ServerConfig:
         _check(self.close_timeout > 0, "close_timeout", "> 0 seconds", self.close_timeout)
         _check(self.ping_interval > 0, "ping_interval", "> 0 seconds", self.ping_interval)
         _check(self.ping_timeout > 0, "ping_timeout", "> 0 seconds", self.ping_timeout)
+        _check(self.responses_max_stored >= 1, "responses_max_stored", ">= 1 responses",
+               self.responses_max_stored)
+        _check(self.responses_max_stored_tokens >= 1, "responses_max_stored_tokens",
+               ">= 1 tokens", self.responses_max_stored_tokens)

@@ -11,87 +11,50 @@ with 1008 (policy violation) and its requests are cancelled the same way.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
+from collections.abc import Iterable
 
 import structlog
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
                       InternalError, Ping, Pong, ProtocolError, TooManyRequests,
                       decode_client_frame)
-from service.config import ServerConfig
-from service.engine import Engine
-from service.outbox import Outbox
 from service.request_stream import Event
+from service.socket_actor import CLOSE_GOING_AWAY, CLOSE_POLICY_VIOLATION, SocketActor
 
 log = structlog.get_logger(__name__)
-_conn_ids = itertools.count(1)
 
-CLOSE_POLICY_VIOLATION = 1008
-CLOSE_GOING_AWAY = 1001
+__all__ = ["CLOSE_GOING_AWAY", "CLOSE_POLICY_VIOLATION", "Connection"]
 
 
-class Connection:
-    """Serves one socket until it closes.
+class Connection(SocketActor):
+    """Serves one `/v1/stream` socket until it closes (life cycle: `SocketActor`).
 
     Engine request ids are `"c{conn}/{client id}"`, so equal client ids on different
     sockets never collide; events carry the client's own id.
     """
 
-    def __init__(self, ws: ServerConnection, engine: Engine, config: ServerConfig) -> None:
-        self.ws = ws
-        self.engine = engine
-        self.config = config
-        self.conn_id = f"c{next(_conn_ids)}"
-        self.outbox = Outbox(config.max_outbox_bytes, on_overflow=self._on_overflow)
+    route = "/v1/stream"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.in_flight: set[str] = set()  # client ids: being admitted or admitted, no done yet
         self._admitting: dict[str, asyncio.Task[None]] = {}  # client id -> its admission
         self._cancel_after_admission: set[str] = set()
-        self._closed = False
-        self._closing: asyncio.Task[None] | None = None
 
     def _key(self, client_id: str) -> str:
         return f"{self.conn_id}/{client_id}"
 
-    async def run(self) -> None:
-        """Serve frames until the socket closes; then cancel what is left and return."""
-        metrics = self.engine.metrics
-        if metrics is not None:
-            metrics.connections.inc()
-        log.info("connection_opened", connection_id=self.conn_id,
-                 peer=str(self.ws.remote_address))
-        try:
-            await self._serve()
-        finally:
-            if metrics is not None:
-                metrics.connections.dec()
-            code = self.ws.close_code
-            log.info("connection_closed", connection_id=self.conn_id,
-                     close_code=1006 if code is None else int(code))
-
-    async def _serve(self) -> None:
-        send = lambda data: self.ws.send(data, text=True)  # noqa: E731
-        writer = asyncio.create_task(self.outbox.run(send), name=f"{self.conn_id}-writer")
+    def _greet(self) -> None:
         self.outbox.put(Hello(protocol=PROTOCOL_VERSION, model=self.engine.model_name,
-                              max_model_len=self.engine.max_model_len))
-        try:
-            async for frame in self.ws:
-                if self._closing is not None:
-                    continue  # being closed: read on only to see the peer's close frame
-                self._on_frame(frame, time.monotonic())
-        except ConnectionClosed:
-            pass
-        finally:
-            self._closed = True
-            self.abort_all()
-            self.outbox.close()
-            writer.cancel()
-            tasks = [writer, *self._admitting.values()]
-            if self._closing is not None:
-                tasks.append(self._closing)
-            await asyncio.gather(*tasks, return_exceptions=True)
+                              max_model_len=self.engine.max_model_len,
+                              sampling_defaults=self.engine.sampling_defaults.as_dict()))
+
+    def _pending_tasks(self) -> Iterable[asyncio.Task[None]]:
+        return self._admitting.values()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.in_flight)
 
     def abort_all(self) -> None:
         """Cancel every request of this connection (each admitted one still gets its Done;
@@ -100,34 +63,6 @@ class Connection:
             task.cancel()
         for client_id in list(self.in_flight):
             self.engine.abort(self._key(client_id))
-
-    async def close(self, code: int, reason: str) -> None:
-        """Close the socket with `code`; drop the TCP connection if the peer does not finish
-        the closing handshake within `close_timeout` seconds (e.g. it stopped reading)."""
-        try:
-            await asyncio.wait_for(self.ws.close(code, reason), self.config.close_timeout)
-        except TimeoutError:
-            log.warning("close_timed_out", connection_id=self.conn_id, close_code=code)
-            self.ws.transport.abort()
-
-    async def shutdown(self) -> None:
-        """Graceful end: send what is queued (within `close_timeout`), then close with 1001."""
-        if not await self.outbox.drain(self.config.close_timeout):
-            log.warning("outbox_not_drained", connection_id=self.conn_id,
-                        pending_bytes=self.outbox.pending_bytes)
-        await self.close(CLOSE_GOING_AWAY, "server shutting down")
-
-    def _on_overflow(self) -> None:
-        """The reader fell too far behind (called inside an engine sink: must not block)."""
-        log.warning("slow_reader_disconnected", connection_id=self.conn_id,
-                    max_outbox_bytes=self.config.max_outbox_bytes,
-                    requests_cancelled=len(self.in_flight))
-        self.abort_all()
-        if self._closing is None:
-            self._closing = asyncio.get_running_loop().create_task(
-                self.close(CLOSE_POLICY_VIOLATION,
-                           f"too slow: more than {self.config.max_outbox_bytes} bytes unread"),
-                name=f"{self.conn_id}-close")
 
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         try:

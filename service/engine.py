@@ -45,6 +45,7 @@ from service.metrics import EngineMetrics
 from service.output_processor import LiveRequest
 from service.request_stream import Event, RequestStream, Sink
 from service.step_loop import StepLoop
+from service.generation_config import SamplingDefaults, load_sampling_defaults
 from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,7 @@ class Engine:
         self.ready = False
         self.accepting = False
         self.metrics: EngineMetrics | None = None
+        self.sampling_defaults = SamplingDefaults()  # set from the model's generation config
 
     # ---- life cycle --------------------------------------------------------------
     async def start(self) -> Engine:
@@ -99,10 +101,15 @@ class Engine:
         self._core = core = EngineCore(self.config, runner, cost=cost)
         self.metrics = EngineMetrics(runner.model_name)
         self.metrics.read_state_from(self._metrics_state)
+        self.sampling_defaults = load_sampling_defaults(
+            self.config.model.generation_config, self.config.model.model, runner.model_name)
+        log.info("sampling_defaults", source=self.sampling_defaults.source,
+                 **self.sampling_defaults.as_dict())
         self._admission = Preprocessor(
             PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
             core.scheduler.pool.num_blocks, self.config.cache.block_size,
-            self.config.scheduler.max_waiting_requests, self._retry_after_ms)
+            self.config.scheduler.max_waiting_requests, self._retry_after_ms,
+            self.sampling_defaults)
         self._loop = StepLoop(core, self._executor, self.metrics, self._faults)
         self._task = asyncio.create_task(self._loop.run(), name="conveyor-step-loop")
         self.ready = self.accepting = True
@@ -223,6 +230,11 @@ class Engine:
         return self.runner.max_model_len
 
     @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds (blocks x block_size): no request spans more."""
+        return self.core.scheduler.pool.num_blocks * self.config.cache.block_size
+
+    @property
     def tokenizer(self) -> Any:
         return self.runner.tokenizer
 
@@ -242,7 +254,9 @@ class Engine:
 
         messages: chat turns, `ChatMessage`s or `{"role", "content"}` dicts; prompt: raw
         text; prompt_token_ids: ids; exactly one of the three. params: `SamplingParams` or
-        a mapping of its fields; checked exactly as the wire checks `$.params`.
+        a mapping of its fields; checked exactly as the wire checks `$.params`; unset
+        temperature / top_p / top_k / min_p take `self.sampling_defaults` (the model's
+        generation config).
         request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
         written into its events (default: request_id). With `sink`, events are passed to
         it (never awaited) and the prompt length in tokens is returned; without, a

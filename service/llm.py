@@ -19,6 +19,7 @@ from protocol import InvalidRequest, SamplingParams
 from service.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
 from service.core.request import Request
+from service.generation_config import load_sampling_defaults
 from service.request_input import coerce_params, coerce_token_ids
 
 
@@ -55,6 +56,9 @@ class LLM:
             runner = ModelRunner(self.config, loaded)
         self.runner = runner
         self.core = EngineCore(self.config, runner)
+        self.sampling_defaults = load_sampling_defaults(
+            self.config.model.generation_config, self.config.model.model,
+            getattr(runner, "model_name", ""))
         self._next_id = 0
 
     @property
@@ -67,7 +71,8 @@ class LLM:
         """Completion token ids of each prompt, in order (a stop token is not included).
 
         params: one SamplingParams (or mapping of its fields) for all, or one per prompt;
-        checked as the wire checks them.
+        checked as the wire checks them; unset sampling values take the model's generation
+        config (`self.sampling_defaults`), as in the Engine.
         Raises InvalidRequest (a ValueError's kin: bad params or ids, an empty prompt, one
         that does not fit the context with its max_tokens) before anything runs;
         RuntimeError if a request fails in a step (its reason).
@@ -83,7 +88,7 @@ class LLM:
         limit = self.runner.max_model_len
         reqs = []
         for ids, p in zip(prompt_token_ids, plist):
-            p = coerce_params(p)
+            p = self.sampling_defaults.apply(coerce_params(p))
             ids = coerce_token_ids(ids)
             if not ids or len(ids) + p.max_tokens > limit:
                 raise InvalidRequest(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "

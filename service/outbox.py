@@ -10,6 +10,11 @@ connection then closes the socket with 1008 and cancels its requests).
 
     queue:  [accepted r1] [delta r1 "The cat"] [pong] [delta r2 "Hi"] ...
                               ^ a new delta of r1 is appended here while it waits
+
+Other protocols' text deltas (e.g. the Responses API's `response.output_text.delta`,
+service/responses/) merge the same way through the `Appendable` protocol, but only
+into the last queued frame: their events are numbered in order (`sequence_number`),
+so a delta may only grow the frame that is still the newest of its stream.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
 
@@ -30,6 +36,24 @@ TOKEN_ID_BYTES = 8
 
 def _delta_bytes(text: str, token_ids: list[int]) -> int:
     return len(text.encode("utf-8", "surrogatepass")) + TOKEN_ID_BYTES * len(token_ids)
+
+
+class Appendable(Protocol):
+    """A frame (msgspec Struct) that a later frame of the same stream may be merged into
+    while both wait: the outbox keeps it unencoded at the tail of its queue."""
+
+    def absorb(self, later: Any) -> bool:
+        """Append `later`'s content to this frame and return True, or return False (then
+        `later` is queued as a frame of its own)."""
+        ...
+
+    def pending_bytes(self) -> int:
+        """Estimated encoded size in bytes (it grows with each absorbed frame)."""
+        ...
+
+
+def _appendable(msg: object) -> bool:
+    return hasattr(msg, "absorb") and hasattr(msg, "pending_bytes")
 
 
 class Outbox:
@@ -49,7 +73,7 @@ class Outbox:
             raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.max_bytes = max_bytes
         self._on_overflow = on_overflow
-        self._queue: deque[Delta | bytes] = deque()
+        self._queue: deque[Any] = deque()  # Delta | Appendable | bytes (encoded frames)
         self._unsent_delta: dict[str, Delta] = {}
         self._ready = asyncio.Event()
         self._empty = asyncio.Event()
@@ -59,13 +83,15 @@ class Outbox:
         self.overflowed = False
         self.closed = False
 
-    def put(self, msg: msgspec.Struct) -> None:
-        """Queue a frame (never blocks). A Delta merges into an unsent delta of its request.
+    def put(self, msg: msgspec.Struct) -> bool:
+        """Queue a frame (never blocks). A Delta merges into an unsent delta of its request;
+        an `Appendable` frame into the last queued frame if that one absorbs it.
 
-        After `close()` or an overflow, frames are dropped silently.
+        Returns True when `msg` was queued as a frame of its own, False when it was merged
+        into a waiting one or dropped (after `close()` or an overflow, silently).
         """
         if self.closed:
-            return
+            return False
         if isinstance(msg, Delta):
             size = _delta_bytes(msg.text, msg.token_ids)
             waiting = self._unsent_delta.get(msg.id)
@@ -74,11 +100,21 @@ class Outbox:
                 waiting.token_ids.extend(msg.token_ids)
                 self.merged_deltas += 1
                 self._grow(size)
-                return
+                return False
             msg = Delta(id=msg.id, index=msg.index, text=msg.text, token_ids=list(msg.token_ids))
             self._unsent_delta[msg.id] = msg
             self._queue.append(msg)
             self._grow(size + DELTA_OVERHEAD_BYTES)
+        elif _appendable(msg):
+            tail = self._queue[-1] if self._queue else None
+            if tail is not None and _appendable(tail):
+                before = tail.pending_bytes()
+                if tail.absorb(msg):
+                    self.merged_deltas += 1
+                    self._grow(tail.pending_bytes() - before)
+                    return False
+            self._queue.append(msg)
+            self._grow(msg.pending_bytes())
         else:
             req_id = getattr(msg, "id", None)
             if req_id is not None:
@@ -89,6 +125,7 @@ class Outbox:
         if not self.closed:
             self._empty.clear()
             self._ready.set()
+        return True
 
     def _grow(self, n: int) -> None:
         self.pending_bytes += n
@@ -132,6 +169,9 @@ class Outbox:
                     del self._unsent_delta[item.id]
                 self.pending_bytes -= _delta_bytes(item.text, item.token_ids) \
                     + DELTA_OVERHEAD_BYTES
+                data = encode(item)
+            elif not isinstance(item, bytes):  # an Appendable frame: encoded as it leaves
+                self.pending_bytes -= item.pending_bytes()
                 data = encode(item)
             else:
                 self.pending_bytes -= len(item)

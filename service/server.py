@@ -1,6 +1,7 @@
 """The network front end: one port for the WebSocket endpoint and plain HTTP.
 
     ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md)
+    ws://HOST:PORT/v1/responses  the OpenAI Responses API's WebSocket mode (service/responses/)
     GET /                      the built-in chat page (service/static/chat.html)
     GET /health                200 {"status": "ok"} when serving; 503 {"status": "unavailable",
                                "reason": ...} while loading or draining, when the step loop
@@ -33,8 +34,14 @@ from service.auth import AccessPolicy, RedactingLogger
 from service.config import ServerConfig
 from service.connection import Connection
 from service.engine import Engine
+from service.responses import ResponsesConnection
+from service.socket_actor import SocketActor
 
 STREAM_PATH = "/v1/stream"
+RESPONSES_PATH = "/v1/responses"
+ROUTES: dict[str, type[SocketActor]] = {STREAM_PATH: Connection,
+                                        RESPONSES_PATH: ResponsesConnection}
+"""WebSocket routes: path -> the actor serving each socket (same auth, limits, close codes)."""
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
 CLOSE_TRY_AGAIN_LATER = 1013
 
@@ -58,7 +65,7 @@ class ConveyorServer:
         self.engine = engine
         self.config = config or ServerConfig()
         self.access = AccessPolicy(self.config.api_key, self.config.allowed_origins)
-        self.connections: set[Connection] = set()
+        self.connections: set[SocketActor] = set()
         self.refused_connections = 0
         self._server: Server | None = None
 
@@ -139,7 +146,7 @@ class ConveyorServer:
         refused = self._refuse(conn, request, path, query)
         if refused is not None:
             return refused
-        if path == STREAM_PATH:
+        if path in ROUTES:
             return None  # go on with the WebSocket handshake
         if path in ("/", "/index.html"):
             resp = conn.respond(http.HTTPStatus.OK, CHAT_PAGE.read_text(encoding="utf-8"))
@@ -183,7 +190,8 @@ class ConveyorServer:
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF,
                                 self.config.socket_send_buffer_bytes)
-        conn = Connection(ws, self.engine, self.config)
+        path = ws.request.path.partition("?")[0] if ws.request is not None else STREAM_PATH
+        conn = ROUTES.get(path, Connection)(ws, self.engine, self.config)
         self.connections.add(conn)
         try:
             await conn.run()

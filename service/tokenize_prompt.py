@@ -127,24 +127,45 @@ class PromptTokenizer:
             raise InvalidRequest("the prompt has zero tokens", param=param, request_id=request_id)
         return ids
 
-    def _chat(self, messages: Sequence[ChatMessage], request_id: str | None) -> list[int]:
+    def chat_ids(self, messages: Sequence[ChatMessage], *, after: int | None = None,
+                 add_generation_prompt: bool = True, request_id: str | None = None) -> list[int]:
+        """Token ids of the chat template over `messages`, tokenized as `__call__` does
+        (contents as plain text). With `after=k`, only the ids of the text that follows the
+        content of `messages[k]`: the continuation of a context that ends with that content
+        (the Responses API's `previous_response_id`, service/responses/). E.g. ChatML with
+        k the last assistant turn and a new user turn: the ids of
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n".
+
+        Raises InvalidRequest (param "$.messages...") as `__call__` does.
+        """
+        if after is not None and not 0 <= after < len(messages):
+            raise ValueError(f"after must index messages (0..{len(messages) - 1}), got {after}")
+        return self._chat(messages, request_id, after=after,
+                          add_generation_prompt=add_generation_prompt)
+
+    def _chat(self, messages: Sequence[ChatMessage], request_id: str | None, *,
+              after: int | None = None, add_generation_prompt: bool = True) -> list[int]:
         for i, m in enumerate(messages):
             if m.role not in self.roles:
                 raise InvalidRequest(f"role {m.role[:64]!r} is not one this model's chat template "
                                      f"knows ({', '.join(sorted(self.roles))})",
                                      param=f"$.messages[{i}].role", request_id=request_id)
         masked = self._render([{"role": m.role, "content": _placeholder(i)}
-                               for i, m in enumerate(messages)], request_id)
+                               for i, m in enumerate(messages)], request_id,
+                              add_generation_prompt)
         pieces = _PLACEHOLDER.split(masked)  # [scaffold, index, scaffold, index, ..., scaffold]
         # The real text, and the spans of the control tokens the template itself wrote:
         # only those become control tokens. E.g. pieces ["<|im_start|>user\n", "0",
         # "<|im_end|>\n"] with content "Hi" -> text "<|im_start|>user\nHi<|im_end|>\n",
         # control spans [(0, 12), (19, 29)]; "user\nHi" and "\n" are plain text.
         text, controls = [], []
-        offset = 0
+        offset = begin = 0  # begin: where the ids start (after the content of `after`)
         for k, piece in enumerate(pieces):
             if k % 2:
-                piece = messages[int(piece)].content
+                index = int(piece)
+                piece = messages[index].content
+                if index == after:
+                    begin = offset + len(piece)
             elif self._added is not None:
                 controls += [(offset + m.start(), offset + m.end())
                              for m in self._added.finditer(piece)]
@@ -152,7 +173,7 @@ class PromptTokenizer:
             offset += len(piece)
         real = "".join(text)
         if real != self._render([{"role": m.role, "content": m.content} for m in messages],
-                                request_id):
+                                request_id, add_generation_prompt):
             # The template rewrites contents (e.g. `| trim`): pieces cannot be told apart,
             # so refuse control-token text in any content rather than parse it.
             for i, m in enumerate(messages):
@@ -161,12 +182,12 @@ class PromptTokenizer:
                     raise InvalidRequest(f"message content may not contain the control token "
                                          f"{hit!r} with this model's chat template",
                                          param=f"$.messages[{i}].content", request_id=request_id)
-            return self._backend.encode(real, add_special_tokens=False).ids
+            return self._backend.encode(real[begin:], add_special_tokens=False).ids
         # Tokenize as the tokenizer would (split at control tokens, then each stretch of
         # text in one piece, so word boundaries match), but split only at the template's.
         ids: list[int] = []
-        pos = 0
-        for start, end in controls + [(len(real), len(real))]:
+        pos = begin
+        for start, end in [c for c in controls if c[0] >= begin] + [(len(real), len(real))]:
             token = real[start:end]
             lstrip, rstrip = self._strip.get(token, (False, False))
             stretch = real[pos:start]
@@ -183,10 +204,11 @@ class PromptTokenizer:
                     pos += 1
         return ids
 
-    def _render(self, turns: list[dict[str, str]], request_id: str | None) -> str:
+    def _render(self, turns: list[dict[str, str]], request_id: str | None,
+                add_generation_prompt: bool = True) -> str:
         try:
-            return self.tokenizer.apply_chat_template(turns, tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors: e.g. roles out of order for this template
             raise InvalidRequest(f"the chat template rejected the messages: {e}",
                                  param="$.messages", request_id=request_id) from None

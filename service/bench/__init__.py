@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-BENCH_EXTRA = ("tqdm", "matplotlib")
+BENCH_EXTRA = ("tqdm", "matplotlib", "httpx")
 
 
 def missing_extra() -> str | None:

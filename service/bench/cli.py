@@ -25,12 +25,18 @@ import shlex
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from service.bench.arrivals import arrival_times
 from service.bench.batching_bound import batching_bound
+from service.bench.cli_parser import build_parser as _build_parser
 from service.bench.compare import CompareSpec
 from service.bench.engine_args import check_serve_args, engine_parser, serve_args
+from service.bench.llama_peer import LlamaPeerOptions, run_llama_peer
+from service.bench.load_sweep import (DEFAULT_LOAD_SLO, SweepPoint, arrival_rates, bound_share,
+                                      capacity, format_sweep, load_label, parse_fractions,
+                                      sweep_json)
 from service.bench.metrics import Slo
 from service.bench.peers import PEER_NOTES, PEERS, load_hf_model, run_peer
 from service.bench.plan import LoadPlan, auto_connections
@@ -39,64 +45,15 @@ from service.bench.run_result import RunResult
 from service.bench.runner import run_server
 from service.bench.server_process import ServerProcess
 from service.bench.tokenizer import load_tokenizer
-from service.bench.workloads import WORKLOADS, build_workload
-from service.engine_args import add_engine_args
+from service.bench.workloads import build_workload
+from service.worker.cpu_threads import default_num_threads
+
+LLAMA_FLAGS = ("llama_server_bin", "llama_server_url", "llama_server_model", "llama_server_args")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conveyor bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t = p.add_argument_group("targets")
-    t.add_argument("--engine-only", action="store_true",
-                   help="run the engine-only benchmark instead (no socket; ms per step split "
-                        "into sections); see `scripts/bench --engine-only --help`")
-    t.add_argument("--url", help="benchmark a running server (ws://HOST:PORT/v1/stream) instead "
-                                 "of starting one with the engine options below")
-    t.add_argument("--compare", metavar="NAME=V1,V2,...",
-                   help="one fresh server per value of an engine option, e.g. "
-                        "max_num_seqs=4,8 or enable_prefix_caching=true,false")
-    t.add_argument("--peer", action="append", default=[], choices=PEERS,
-                   help="also run an in-process transformers peer (repeatable)")
-    t.add_argument("--no-server", action="store_true", help="run only the peers")
-    t.add_argument("--server-args", default="", metavar="'ARGS'",
-                   help="extra `conveyor serve` arguments as one shell-quoted string, "
-                        "e.g. --server-args='--log-level info'")
-    t.add_argument("--server-start-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds allowed for a started server to load and become healthy")
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="uniform", metavar="NAME|PATH.jsonl",
-                   help=f"one of {', '.join(WORKLOADS)}, or a JSONL file of "
-                        '{"messages"|"prompt", "max_tokens"}')
-    w.add_argument("--num-requests", type=int, default=None, metavar="N",
-                   help="requests (None: 32; 10 for seed-exercise; every line of a file)")
-    w.add_argument("--seed", type=int, default=0, help="workload, arrival and sampling seed")
-    w.add_argument("--scale", type=float, default=1.0, help="multiply every length (quick runs)")
-    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="force every completion to max_tokens")
-    a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=float, default=math.inf, metavar="REQ/S",
-                   help="Poisson/gamma arrivals at this mean rate; inf = all at once")
-    a.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
-    a.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                   help="most requests in flight (None: no limit)")
-    a.add_argument("--connections", type=int, default=None, metavar="N",
-                   help="WebSockets to spread requests over (None: enough for at most 64 "
-                        "in flight per socket)")
-    a.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="fail a request without its done after this long")
-    a.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="untimed short requests before each run")
-    o = p.add_argument_group("report")
-    o.add_argument("--slo", default=None, metavar="ttft=MS,tpot=MS",
-                   help="goodput bounds (any of ttft, tpot, e2e, in ms)")
-    o.add_argument("--json", default=None, metavar="PATH", help="write the report and "
-                   "per-request records as JSON")
-    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(p)
-    return p
+    """The parser of `conveyor bench` (service.bench.cli_parser)."""
+    return _build_parser(__doc__.split("\n\n")[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,8 +94,15 @@ def _check_args(a: argparse.Namespace) -> CompareSpec | None:
                             ("--warmup", a.warmup, a.warmup >= 0)):
         if not ok:
             raise ValueError(f"{name} {value} is out of range")
+    if a.load:
+        _check_load(a)
     if a.slo:
         Slo.parse(a.slo)
+    if "llama-server" in a.peer:
+        if not a.llama_server_url:
+            _llama_options(a).resolve_binary()
+    elif any(getattr(a, f) for f in LLAMA_FLAGS):
+        raise ValueError("the --llama-server-* options need --peer llama-server")
     if a.json:
         folder = Path(a.json).resolve().parent
         try:  # created before the run, so that a bad path fails in seconds, not after it
@@ -146,10 +110,37 @@ def _check_args(a: argparse.Namespace) -> CompareSpec | None:
         except OSError as e:
             raise ValueError(f"--json {a.json}: cannot create its folder: {e}") from None
     compare = CompareSpec.parse(a.compare) if a.compare else None
+    if a.load and (compare.name != "batching" or "continuous" not in compare.values):
+        raise ValueError("--load compares batching modes: --compare batching=... must "
+                         "include continuous (its capacity sets the arrival rates)")
     if not a.url and not a.no_server:
         for _, args in _servers(a, compare):
             check_serve_args(args)
     return compare
+
+
+def _check_load(a: argparse.Namespace) -> None:
+    """--load's own rules; fills in its defaults (--compare and --slo)."""
+    parse_fractions(a.load)
+    if a.url or a.no_server:
+        raise ValueError("--load starts its own servers; drop --url / --no-server")
+    if not math.isinf(a.request_rate):
+        raise ValueError("--load sets the arrival rates itself; drop --request-rate")
+    a.compare = a.compare or "batching=continuous,static,dynamic"
+    a.slo = a.slo or DEFAULT_LOAD_SLO
+
+
+def _llama_options(a: argparse.Namespace) -> LlamaPeerOptions:
+    model = a.llama_server_model or (a.model if a.model and a.model.endswith(".gguf") else None)
+    return LlamaPeerOptions(binary=a.llama_server_bin, url=a.llama_server_url, model=model,
+                            extra_args=a.llama_server_args,
+                            threads=a.num_threads or default_num_threads(),
+                            start_timeout_s=a.server_start_timeout)
+
+
+def _served(a: argparse.Namespace) -> argparse.Namespace:
+    """The engine options the started servers get (--server-args may override flags)."""
+    return engine_parser().parse_known_args(serve_args(a) + shlex.split(a.server_args))[0]
 
 
 def _servers(a: argparse.Namespace, compare: CompareSpec | None) -> list[tuple[str, list[str]]]:
@@ -181,8 +172,13 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     if not a.no_server:
         runs += _server_runs(a, plan, compare, slo)
     peers = list(dict.fromkeys(a.peer))
-    if peers:
-        runs += _peer_runs(a, plan, peers, tokenizer, slo)
+    if any(p in PEERS for p in peers):
+        runs += _peer_runs(a, plan, [p for p in peers if p in PEERS], tokenizer, slo)
+    if "llama-server" in peers:
+        _say("running the llama-server peer ...")
+        runs.append(_finish(run_llama_peer(plan, _llama_options(a),
+                                           max_num_seqs=_served(a).max_num_seqs,
+                                           progress=not a.no_progress), slo))
     table = comparison(runs)
     if table is not None:
         print(format_comparison(table), flush=True)
@@ -194,14 +190,31 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
               f"{bound['ratio']:.2f}x. Measured ratios can exceed it: a static batch starts "
               f"with whatever has arrived, and its prefill does not overlap decodes.",
               flush=True)
+        share = _bound_share(runs, compare, bound)
+        config["batching_bound"]["closed_loop_share"] = share
+        if share is not None:
+            print(f"closed loop: measured continuous / static output tok/s is "
+                  f"{100 * share:.0f}% of the flat-step bound's ratio", flush=True)
+    sweep: tuple[list[RunResult], list[SweepPoint], dict] | None = None
+    if a.load:
+        sweep = _load_sweep(a, plan, compare, slo, runs, bound)
+        print(format_sweep(sweep[2]["capacity_requests_per_s"], slo, sweep[1],
+                           sweep[2]["closed_loop_bound_share"]), flush=True)
+    all_runs = runs + (sweep[0] if sweep else [])
     if a.json:
-        write_json(a.json, document(config, argv, runs))
+        doc = document(config, argv, all_runs)
+        doc["comparison"] = table  # the closed-loop runs and the peers
+        doc["load_sweep"] = sweep[2] if sweep else None
+        write_json(a.json, doc)
         _say(f"wrote {a.json}")
     if a.plot:
-        from service.bench.plots import write_plots
+        from service.bench.plots import plot_load_sweep, write_plots
 
-        for path in write_plots(runs, a.plot):
+        for path in write_plots(all_runs, a.plot):
             _say(f"wrote {path}")
+        if sweep:
+            _say(f"wrote {plot_load_sweep(sweep[1], slo, Path(a.plot) / 'load_sweep.png')}")
+    runs = all_runs
     failed = sum(r.metrics.failed for r in runs if r.metrics is not None)
     if failed:
         _say(f"{failed} request(s) failed")
@@ -213,15 +226,48 @@ def _server_runs(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec | N
     if a.url:
         records = _run_async(run_server(a.url, plan, progress=not a.no_progress))
         return [_finish(RunResult("conveyor", "conveyor", records, {"url": a.url}), slo)]
-    runs = []
-    for label, args in _servers(a, compare):
-        _say(f"starting conveyor serve {shlex.join(args)} ...")
-        with ServerProcess(args, start_timeout_s=a.server_start_timeout) as server:
-            records = _run_async(run_server(server.url, plan, progress=not a.no_progress,
-                                            desc=label))
-            target = {"serve_args": args, "url": server.url, "server_log": server.log_path}
-        runs.append(_finish(RunResult(label, "conveyor", records, target), slo))
-    return runs
+    return [_server_run(a, label, args, plan, slo) for label, args in _servers(a, compare)]
+
+
+def _server_run(a: argparse.Namespace, label: str, args: list[str], plan: LoadPlan,
+                slo: Slo | None) -> RunResult:
+    """One fresh `conveyor serve` with `args`, the plan run against it, then stopped."""
+    _say(f"starting conveyor serve {shlex.join(args)} ...")
+    with ServerProcess(args, start_timeout_s=a.server_start_timeout) as server:
+        records = _run_async(run_server(server.url, plan, progress=not a.no_progress,
+                                        desc=label))
+        target = {"serve_args": args, "url": server.url, "server_log": server.log_path}
+    return _finish(RunResult(label, "conveyor", records, target), slo)
+
+
+def _load_sweep(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec, slo: Slo,
+                closed: list[RunResult], bound: dict | None
+                ) -> tuple[list[RunResult], list[SweepPoint], dict]:
+    """--load (service.bench.load_sweep): each mode under Poisson arrivals at each fraction
+    of continuous batching's closed-loop capacity. Returns (runs, points, JSON object)."""
+    by_label = {r.label: r for r in closed}
+    cont = by_label[compare.label("continuous")]
+    cap = capacity(cont.metrics)
+    fractions = parse_fractions(a.load)
+    runs, points = [], []
+    for f, rate in zip(fractions, arrival_rates(cap, fractions)):
+        arrivals = arrival_times(len(plan.requests), rate, a.burstiness, a.seed)
+        loaded = replace(plan, arrivals=tuple(arrivals))
+        _say(f"load {f:g}: Poisson arrivals at {rate:.3f} req/s ({f:g} x {cap:.3f})")
+        for label, args in _servers(a, compare):
+            run = _server_run(a, load_label(label, f), args, loaded, slo)
+            runs.append(run)
+            points.append(SweepPoint(label, f, rate, run.metrics))
+    return runs, points, sweep_json(cap, slo, points, _bound_share(closed, compare, bound))
+
+
+def _bound_share(runs: list[RunResult], compare: CompareSpec, bound: dict | None) -> float | None:
+    """Measured continuous / static output tok/s over the flat-step bound's ratio."""
+    by_label = {r.label: r.metrics for r in runs}
+    cont, static = (by_label.get(compare.label(m)) for m in ("continuous", "static"))
+    return bound_share(cont.output_tokens_per_s if cont else None,
+                       static.output_tokens_per_s if static else None,
+                       bound["ratio"] if bound else None)
 
 
 def _peer_runs(a: argparse.Namespace, plan: LoadPlan, peers: list[str], tokenizer,
@@ -279,7 +325,7 @@ def _batching_bound(a: argparse.Namespace, plan: LoadPlan,
     if (compare is None or compare.name != "batching" or not math.isinf(a.request_rate)
             or not plan.ignore_eos):
         return None
-    served = engine_parser().parse_known_args(serve_args(a) + shlex.split(a.server_args))[0]
+    served = _served(a)
     b = batching_bound([s.max_tokens for s in plan.requests], max_num_seqs=served.max_num_seqs,
                        max_concurrency=plan.max_concurrency)
     return {"continuous_steps": b.continuous_steps, "static_steps": b.static_steps,
@@ -298,6 +344,9 @@ def _config(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec | None) 
         "compare": {"name": compare.name, "values": list(compare.values)} if compare else None,
         "peers": list(dict.fromkeys(a.peer)), "model": a.model,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+        "load": list(parse_fractions(a.load)) if a.load else None,
+        "llama_server": {f: getattr(a, f) for f in LLAMA_FLAGS} if "llama-server" in a.peer
+        else None,
     }
 
 

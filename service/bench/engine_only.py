@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import Delta, SamplingParams, encode
+from service.bench.cpu_hog import CpuHog
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.worker.cpu_threads import default_num_threads
+from service.worker.thread_tuner import ThreadTuner
 from service.detokenizer import IncrementalDetokenizer
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model import SectionTimer
@@ -42,6 +45,7 @@ from service.worker.model_runner import ModelRunner
 from service.core.engine_core import EngineCore
 from service.core.request import Request
 
+OMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 SECTIONS = ("schedule", "build_batch", "linear", "attention", "other", "sample", "update",
             "detokenize+stream")
 
@@ -223,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated decode attention kernels among auto, cpp, sdpa "
                         "(e.g. cpp,sdpa to compare them side by side)")
     p.add_argument("--threads", default=None, metavar="LIST",
-                   help="comma-separated torch thread counts to compare (default: the cores)")
+                   help="comma-separated torch thread counts to compare, and `auto` for the "
+                        "adaptive thread tuner (default: the CPUs, affinity and quota)")
     p.add_argument("--decode-seqs", default="1,16,64", metavar="LIST",
                    help="running sequences of the decode scenarios ('' for none)")
     p.add_argument("--context", type=int, default=300, metavar="TOKENS",
@@ -239,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps per scenario")
     p.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
                    help="tokens per KV block")
+    p.add_argument("--cpu-hog", type=int, default=0, metavar="N",
+                   help="busy processes (`yes > /dev/null`) started for the measurement and "
+                        "stopped after it: the engine under a noisy neighbour")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -254,7 +262,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str]],
-                                          list[int], list[Scenario]]:
+                                          list[int | str], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
     for q in a.quantization.split(","):
@@ -268,12 +276,18 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
     if "auto" in kernels and len(kernels) > 1:  # auto is cpp or sdpa: it would repeat one
         raise ValueError("--cpu-decode-kernel auto cannot be listed with cpp or sdpa")
     models = [(q, k) for q in quants for k in kernels]
-    threads = _int_list(a.threads, "threads") if a.threads else [len(os.sched_getaffinity(0))]
+    threads: list[int | str] = [default_num_threads()]
+    if a.threads:
+        auto = [t.strip() for t in a.threads.split(",")].count("auto")
+        rest = ",".join(t for t in a.threads.split(",") if t.strip() != "auto")
+        threads = [*_int_list(rest, "threads"), *["auto"] * min(auto, 1)]
+        if not threads:
+            raise ValueError("--threads: no thread count given")
     for name in ("context", "steps", "prefill_steps", "rounds"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0 or a.prefill_len < 0:
-        raise ValueError("--warmup and --prefill-len must be >= 0")
+    if a.warmup < 0 or a.prefill_len < 0 or a.cpu_hog < 0:
+        raise ValueError("--warmup, --prefill-len and --cpu-hog must be >= 0")
     scenarios = [Scenario("decode", n, a.context) for n in _int_list(a.decode_seqs, "decode-seqs")]
     if a.prefill_len:
         scenarios.append(Scenario("prefill", 1, a.prefill_len))
@@ -311,42 +325,60 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     tokens = _text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
     runners: dict[tuple[str | None, str], ModelRunner] = {}
     for q, k in models:
-        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k),
+        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
+                                             adaptive_threads=False),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
         runners[(q, k)] = ModelRunner(cfg, loaded)
 
-    def label(m: tuple[str | None, str], t: int) -> str:
-        # e.g. "int8/cpp/2t"; the kernel is the one the runner resolved "auto" to
-        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}t"
+    def label(m: tuple[str | None, str], t: int | str) -> str:
+        # e.g. "int8/cpp/2t" or "fp32/cpp/auto"; the kernel is the one "auto" resolved to
+        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}{'t' if t != 'auto' else ''}"
+
+    tuning: dict[str, dict[str, list]] = {}
 
     stats: dict[str, dict[str, list[RunStats]]] = {sc.name: {label(*v): [] for v in variants}
                                                    for sc in scenarios}
-    for sc in scenarios:
-        live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
-        for m in models:
-            torch.set_num_threads(threads[0])
-            live[m] = (_DecodeRun(runners[m], tokens, sc, a.steps * len(threads), a.rounds,
-                                  a.warmup)
-                       if sc.kind == "decode" else _PrefillRun(runners[m], tokens, sc, a.warmup))
-        steps = a.steps if sc.kind == "decode" else a.prefill_steps
-        for _ in range(a.rounds):
-            for m, t in variants:
-                torch.set_num_threads(t)
-                stats[sc.name][label(m, t)].append(live[m].measure(steps))
-        for run_ in live.values():
-            run_.close()
+    with CpuHog(a.cpu_hog):  # the neighbours run for the whole measurement, then stop
+        for sc in scenarios:
+            live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
+            # "auto": one tuner per model variant and scenario, kept across the rounds; it
+            # also runs the untimed prefill and warm-up steps (its start-up probe)
+            tuners = {m: ThreadTuner(default_num_threads()) for m in models}
+            for m in models:
+                runners[m].thread_tuner = tuners[m] if "auto" in threads else None
+                torch.set_num_threads(tuners[m].current if "auto" in threads else threads[0])
+                live[m] = (_DecodeRun(runners[m], tokens, sc, a.steps * len(threads), a.rounds,
+                                      a.warmup) if sc.kind == "decode"
+                           else _PrefillRun(runners[m], tokens, sc, a.warmup))
+            steps = a.steps if sc.kind == "decode" else a.prefill_steps
+            for _ in range(a.rounds):
+                for m, t in variants:
+                    runners[m].thread_tuner = tuners[m] if t == "auto" else None
+                    torch.set_num_threads(tuners[m].current if t == "auto" else t)
+                    stats[sc.name][label(m, t)].append(live[m].measure(steps))
+            if "auto" in threads:
+                tuning[sc.name] = {label(m, "auto"): [list(h) for h in tuners[m].history]
+                                   for m in models}
+            for run_ in live.values():
+                run_.close()
     results = {name: {v: summarize(runs) for v, runs in by_v.items()}
                for name, by_v in stats.items()}
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+                    "cpu_hogs": a.cpu_hog,
+                    "omp_env": {k: os.environ.get(k) for k in OMP_ENV},
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {k: v for k, v in vars(a).items() if k != "json"},
         "results": results,
+        "thread_tuning": tuning,  # "auto" variants: (time s, from, to, time ratio) decisions
     }
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
-          f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores")
+          f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores "
+          f"({torch.backends.cpu.get_cpu_capability()}); {a.cpu_hog} CPU hog(s); "
+          + ", ".join(f"{k}={os.environ.get(k, '-')}" for k in OMP_ENV))
     print(_format(results))
     print("tok/s, steps/s, ms/step: median over rounds of each round's median step; "
           "sections: mean ms per step")

@@ -73,7 +73,8 @@ class Slo:
 class Metrics:
     """Figures of one run. Latencies in ms, rates per second of run duration.
 
-    goodput_requests_per_s and slo_attainment (fraction of all requests meeting the SLO)
+    goodput_requests_per_s, goodput_output_tokens_per_s (output tokens of the requests that
+    met the SLO, per second) and slo_attainment (fraction of all requests meeting the SLO)
     are None when no SLO was given. ttft_gap_ms: client TTFT minus the engine's TTFT.
     short_e2e_ms: E2E of requests with max_tokens <= the run's lower median (module doc).
     """
@@ -88,6 +89,7 @@ class Metrics:
     requests_per_s: float
     output_tokens_per_s: float
     goodput_requests_per_s: float | None
+    goodput_output_tokens_per_s: float | None
     slo_attainment: float | None
     ttft_ms: Summary
     tpot_ms: Summary
@@ -116,12 +118,12 @@ def compute_metrics(records: Sequence[RequestRecord], slo: Slo | None = None) ->
     duration = max(end - start, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
     short_limit = statistics.median_low(r.max_tokens for r in records)
-    good = None
-    attainment = None
+    good = good_tokens = attainment = None
     if slo is not None and slo.is_set:
-        n_good = sum(slo.met_by(r) for r in records)
-        good = n_good / duration
-        attainment = n_good / len(records)
+        met = [r for r in records if slo.met_by(r)]
+        good = len(met) / duration
+        good_tokens = sum(r.output_tokens for r in met) / duration
+        attainment = len(met) / len(records)
     return Metrics(
         num_requests=len(records),
         completed=len(ok),
@@ -133,6 +135,7 @@ def compute_metrics(records: Sequence[RequestRecord], slo: Slo | None = None) ->
         requests_per_s=len(ok) / duration,
         output_tokens_per_s=out_tokens / duration,
         goodput_requests_per_s=good,
+        goodput_output_tokens_per_s=good_tokens,
         slo_attainment=attainment,
         ttft_ms=Summary.of(_values([r.ttft_ms for r in ok])),
         tpot_ms=Summary.of(_values([r.tpot_ms for r in ok])),

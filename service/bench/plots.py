@@ -2,6 +2,8 @@
 
     latency_cdf.png        CDFs of TTFT, TPOT, ITL and E2E, one line per run
     throughput.png         output tokens per second over the run, one line per run
+    load_sweep.png         --load: goodput, SLO attainment and TTFT p99 against the load
+                           fraction, one line per batching mode
     timeline-<label>.png   one row per request, the classic batching diagram:
 
         request 3  .[queued  ][prefill][decode ..............]|
@@ -18,8 +20,13 @@ import bisect
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.bench.run_result import RunResult
+
+if TYPE_CHECKING:
+    from service.bench.load_sweep import SweepPoint
+    from service.bench.metrics import Slo
 
 PHASE_COLORS = {"queued": "#b0b0b0", "prefill": "#f28e2b", "decode": "#4e79a7"}
 
@@ -142,3 +149,28 @@ def write_plots(runs: Sequence[RunResult], folder: str) -> list[Path]:
         plot_timeline(run, path)
         paths.append(path)
     return paths
+
+
+def plot_load_sweep(points: Sequence[SweepPoint], slo: Slo, path: Path) -> Path:
+    """Three panels against the load fraction, a line per mode: goodput (req/s), SLO
+    attainment (%) and TTFT p99 (ms, with the SLO's TTFT bound dashed). Returns `path`."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    panels = (("goodput req/s", "goodput (req/s meeting the SLO)"),
+              ("SLO met %", "SLO attainment (%)"), ("TTFT p99 ms", "TTFT p99 (ms)"))
+    for ax, (key, title) in zip(axes, panels):
+        for mode in dict.fromkeys(p.mode for p in points):
+            mine = sorted((p for p in points if p.mode == mode), key=lambda p: p.fraction)
+            xs = [p.fraction for p in mine if p.figures()[key] is not None]
+            ys = [p.figures()[key] for p in mine if p.figures()[key] is not None]
+            ax.plot(xs, ys, marker="o", label=mode)
+        if key == "TTFT p99 ms" and slo.ttft_ms is not None:
+            ax.axhline(slo.ttft_ms, linestyle="--", color="gray", linewidth=1)
+        ax.set_xlabel("load (fraction of continuous batching's capacity)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

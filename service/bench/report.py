@@ -32,6 +32,7 @@ FIGURES: tuple[tuple[str, Callable[[Metrics], float | None]], ...] = (
     ("output tok/s", lambda m: m.output_tokens_per_s),
     ("requests/s", lambda m: m.requests_per_s),
     ("goodput req/s", lambda m: m.goodput_requests_per_s),
+    ("goodput tok/s", lambda m: m.goodput_output_tokens_per_s),
     ("TTFT mean ms", lambda m: m.ttft_ms.mean),
     ("TTFT median ms", lambda m: m.ttft_ms.median),
     ("TTFT p99 ms", lambda m: m.ttft_ms.p99),
@@ -70,7 +71,8 @@ def format_run(run: RunResult, slo: Slo | None = None) -> str:
         bounds = ", ".join(f"{k} <= {v:g} ms" for k, v in
                            (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms), ("e2e", slo.e2e_ms))
                            if v is not None)
-        lines.append(f"  goodput: {m.goodput_requests_per_s:.3f} req/s ({bounds}); "
+        lines.append(f"  goodput: {m.goodput_requests_per_s:.3f} req/s, "
+                     f"{m.goodput_output_tokens_per_s:.1f} output tok/s ({bounds}); "
                      f"{100 * (m.slo_attainment or 0):.1f}% of requests met the SLO")
     lines.append(f"  {'latency (ms)':<24}" + "".join(h.rjust(10) for h in
                                                      ("mean", "median", "p90", "p99", "max"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from service.bench.metrics import Metrics, Slo, compute_metrics
 from service.bench.record import RequestRecord
 
-KINDS = ("conveyor", "hf-static", "hf-continuous")
+KINDS = ("conveyor", "hf-static", "hf-continuous", "llama-server")
 
 
 @dataclass

@@ -30,10 +30,10 @@ INGRESS_DEPLOYMENT = "Ingress"
 
 def replica_engine_config(engine: EngineConfig, cluster: ClusterConfig) -> EngineConfig:
     """The engine settings of one replica: torch threads from its CPU reservation unless
-    cpu_threads was set explicitly."""
-    if engine.model.cpu_threads is not None:
+    num_threads was set explicitly."""
+    if engine.model.num_threads is not None:
         return engine
-    model = dataclasses.replace(engine.model, cpu_threads=cluster.torch_threads)
+    model = dataclasses.replace(engine.model, num_threads=cluster.torch_threads)
     return dataclasses.replace(engine, model=model)
 
 

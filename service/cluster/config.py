@@ -29,7 +29,7 @@ class ClusterConfig:
     target_ongoing_requests: autoscaling target of requests in flight per replica.
     num_cpus_per_replica: Ray CPUs reserved per replica (fractions allowed: 0.5 lets
         two replicas share a core's reservation); torch threads = max(1, round(it))
-        unless the engine's cpu_threads says otherwise.
+        unless the engine's num_threads says otherwise.
     num_gpus_per_replica: Ray GPUs per replica (0 on CPU machines).
     max_ongoing_requests: requests Ray Serve lets a replica hold at once; None = the
         engine's max_num_seqs + max_waiting_requests + 16 (its own queue decides, and
@@ -106,7 +106,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "a Ray instance already running on this machine, else a new local one")
     g.add_argument("--num-cpus-per-replica", type=float, default=1.0, metavar="CPUS",
                    help="Ray CPUs per replica (fractions allowed); torch threads per replica "
-                        "= max(1, round(CPUS)) unless --cpu-threads is given")
+                        "= max(1, round(CPUS)) unless --num-threads is given")
     g.add_argument("--num-gpus-per-replica", type=float, default=0.0, metavar="GPUS",
                    help="Ray GPUs per replica")
     g.add_argument("--min-replicas", type=int, default=None, metavar="N",

@@ -2,6 +2,8 @@
 
     ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md), served by the same
                                Connection actor as `conveyor serve`, over a RemoteEngine
+    ws://HOST:PORT/v1/responses  the OpenAI Responses API's WebSocket mode, served by the
+                               same ResponsesConnection actor as `conveyor serve`
     GET /health                200 {"status": "ok", "replicas": N} when some replica is
                                routable and the ingress accepts requests, else 503
     GET /metrics               the ingress's metrics and every replica's engine metrics
@@ -12,15 +14,9 @@ Every route but /health is guarded like `conveyor serve`'s (service/auth.py): a 
 browser Origin gets 403, a missing or wrong API key 401. Sockets beyond
 `max_connections` are closed with 1013 right after the handshake.
 
-Another WebSocket protocol (the OpenAI Responses mode, `/v1/responses`, once service/
-has it) plugs in with one route that hands its actor class to `_serve_socket`:
-
-    @app.websocket("/v1/responses")
-    async def responses(self, ws: WebSocket) -> None:
-        await self._serve_socket(ws, ResponsesConnection)
-
-(any actor built as `Actor(socket, engine, server_config)` with `run()`, `abort_all()`
-and `shutdown()`, as Connection is).
+Each WebSocket protocol is one route handing its actor class to `_serve_socket` (any
+`service.socket_actor.SocketActor`: built as `Actor(socket, engine, server_config)`,
+with `run()`, `abort_all()` and `shutdown()`).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the routes' annotations
@@ -44,6 +40,7 @@ from service.cluster.remote_engine import RemoteEngine, fresh_call
 from service.cluster.registry import routers_for
 from service.config import ServerConfig
 from service.connection import Connection
+from service.responses import ResponsesConnection
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +106,10 @@ class Ingress:
     @app.websocket("/v1/stream")
     async def stream(self, ws: WebSocket) -> None:
         await self._serve_socket(ws, Connection)
+
+    @app.websocket("/v1/responses")
+    async def responses(self, ws: WebSocket) -> None:
+        await self._serve_socket(ws, ResponsesConnection)
 
     async def _serve_socket(self, ws: WebSocket, actor: Callable[..., Any]) -> None:
         """Check access, accept, apply the connection limit, then run `actor` on the socket."""

@@ -65,7 +65,9 @@ class ReplicaInfo(Struct, frozen=True, kw_only=True):
 
     tokenizer: the engine's transformers tokenizer (pickled by Ray); vocab_size: ids
     must be below it; block_size: tokens per KV block (for the routing hashes);
-    num_kv_blocks: the whole KV cache (a request must fit it alone).
+    num_kv_blocks: the whole KV cache (a request must fit it alone); sampling_defaults:
+    what unset sampling parameters become (`service.generation_config.SamplingDefaults`,
+    the model's generation config), applied at the ingress as the engine applies them.
     """
 
     model_name: str
@@ -74,3 +76,4 @@ class ReplicaInfo(Struct, frozen=True, kw_only=True):
     block_size: int
     num_kv_blocks: int
     tokenizer: object
+    sampling_defaults: object

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
-        engine = EngineConfig(model=ModelConfig(cpu_threads=1),
+        engine = EngineConfig(model=ModelConfig(num_threads=1),
                               cache=CacheConfig(num_kv_blocks=1024, swap_space=0.0),
                               scheduler=SchedulerConfig(max_num_seqs=a.requests))
         serve.run(build_app(engine, ServerConfig(port=a.port),

@@ -1,8 +1,9 @@
 """RemoteEngine: the Engine's request API, served by engine replicas through Ray Serve.
 
-The ingress's Connection (service/connection.py, unchanged) talks to this object as
-it talks to an in-process `Engine`: `add_request(..., sink=...)` -> prompt tokens,
-`abort(key)`, `model_name`, `max_model_len`, `metrics`. Admission's checks run here,
+The ingress's socket actors (service/connection.py, service/responses/, unchanged)
+talk to this object as they talk to an in-process `Engine`: `add_request(...,
+sink=...)` -> prompt tokens, `abort(key)`, `model_name`, `max_model_len`,
+`kv_cache_tokens`, `tokenizer`, `sampling_defaults`, `metrics`. Admission's checks run here,
 with the engine's own Preprocessor (service.admission), before anything is routed:
 
     params / messages / ids checked, cheap length bound, chat template + tokenizing
@@ -108,12 +109,15 @@ class RemoteEngine:
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.block_size = info.block_size
+        self.kv_cache_tokens = info.num_kv_blocks * info.block_size  # one replica's
+        self.tokenizer = info.tokenizer
+        self.sampling_defaults = info.sampling_defaults
         self.metrics = metrics
         # The engine's own admission checks and tokenizing (thread pool), for its model.
         self._admission = Preprocessor(
             PromptTokenizer(info.tokenizer, info.vocab_size), info.max_model_len,
             info.num_kv_blocks, info.block_size, max_waiting_requests,
-            retry_after_ms=lambda: RETRY_AFTER_MS)
+            retry_after_ms=lambda: RETRY_AFTER_MS, defaults=info.sampling_defaults)
         # A one-block pool, only for its block_hashes: the engine's own chained hash.
         self._hasher = KVBlockPool(1, info.block_size)
         self._instance = uuid.uuid4().hex[:8]  # engine keys unique across ingresses

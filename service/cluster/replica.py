@@ -47,7 +47,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.engine = await Engine(engine_config).start()
         log.info("replica_ready", replica_id=self.replica_id, model=self.engine.model_name,
-                 cpu_threads=engine_config.model.cpu_threads)
+                 num_threads=engine_config.model.num_threads)
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[Admitted | list[Event]]:
         """Admit one tokenized request and stream its events (see the module docstring).
@@ -96,7 +96,8 @@ class EngineReplica:
                            vocab_size=engine.runner.vocab_size,
                            block_size=engine.config.cache.block_size,
                            num_kv_blocks=engine.scheduler.pool.num_blocks,
-                           tokenizer=engine.tokenizer)
+                           tokenizer=engine.tokenizer,
+                           sampling_defaults=engine.sampling_defaults)
 
     async def metrics_text(self, pin: ReplicaPin | None = None) -> bytes:
         """This engine's Prometheus text (`pin` routes the call here)."""

@@ -57,8 +57,17 @@ class ModelConfig:
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
         or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
-    cpu_threads: torch intra-op threads on the CPU; None = one per core this process may
-        run on. Set it when several engines share a machine (cluster replicas).
+    num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
+        which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
+        the cgroup CPU quota (`service.worker.cpu_threads.default_num_threads`).
+    adaptive_threads: on the CPU, let the step loop run with fewer threads than
+        num_threads while that measures faster (a busy neighbour took a core;
+        `service.worker.thread_tuner`); False pins num_threads.
+    generation_config: where unset sampling parameters (temperature, top_p, top_k,
+        min_p) take their defaults, as vLLM's `--generation-config`: "auto" (the
+        model's generation_config.json, else its model card's recommendation), "vllm"
+        (neutral: temperature 1, top_p 1) or a PATH (a folder with
+        generation_config.json, or the file); see service/generation_config.py.
     """
 
     model: str | None = option(
@@ -80,13 +89,20 @@ class ModelConfig:
         "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
         "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
         choices=("auto", "cpp", "sdpa"))
-    cpu_threads: int | None = option(
-        None, "torch threads on the CPU; None = one per core this process may use "
-        "(--replicas: from --num-cpus-per-replica)", metavar="N")
+    num_threads: int | None = option(
+        None, "CPU threads for the forward (torch and the C++ kernels); default: the CPUs "
+        "this process may use, capped by its cgroup CPU quota", metavar="N")
+    adaptive_threads: bool = option(
+        True, "CPU: use fewer threads than --num-threads while a step measures faster so "
+        "(a busy neighbour took a core); --no-adaptive-threads pins the count")
+    generation_config: str = option(
+        "auto", "defaults of unset sampling parameters (temperature, top_p, top_k, min_p): "
+        "auto = the model's generation_config.json, else its model card's recommendation "
+        "(SmolLM2 Instruct: temperature 0.2, top_p 0.9); vllm = neutral (temperature 1, "
+        "top_p 1); PATH = a folder with generation_config.json, or the file",
+        metavar="auto|vllm|PATH")
 
     def __post_init__(self) -> None:
-        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads",
-               ">= 1 or None", self.cpu_threads)
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
                "one of float32, float16, bfloat16", self.dtype)
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -97,8 +113,16 @@ class ModelConfig:
                ">= 1 tokens", self.max_model_len)
         _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
+        _check(self.num_threads is None or (isinstance(self.num_threads, int)
+                                            and not isinstance(self.num_threads, bool)
+                                            and self.num_threads >= 1),
+               "num_threads", "None or an int >= 1", self.num_threads)
+        _check(isinstance(self.adaptive_threads, bool), "adaptive_threads", "a bool",
+               self.adaptive_threads)
         _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
                self.quantization)
+        _check(isinstance(self.generation_config, str) and self.generation_config != "",
+               "generation_config", '"auto", "vllm" or a path', self.generation_config)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
                "quantization", 'None unless dtype is "float32" and device "cpu"',
                self.quantization)

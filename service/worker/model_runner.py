@@ -8,7 +8,7 @@ loop's worker thread; nothing here touches asyncio.
 from __future__ import annotations
 
 import logging
-import os
+import time
 from itertools import chain
 
 import torch
@@ -17,6 +17,8 @@ from protocol import SamplingParams
 from kernels import plan_attention_work, select_ops
 from kernels.paged_attention_cpu import plan_cpu_attention
 from service.core.config import EngineConfig
+from service.worker.cpu_threads import default_num_threads
+from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model import AttentionMetadata, LlamaModel, SectionTimer
 from service.worker.quantization import calibration_token_ids
@@ -50,11 +52,17 @@ class ModelRunner:
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
+        threads = mc.num_threads or default_num_threads()
         if self.device.type == "cpu":
-            # One intra-op thread per core this process may use (or as configured:
-            # several engines on one machine). Call from the thread
-            # that runs the steps: OpenMP's thread count is per calling thread.
-            torch.set_num_threads(mc.cpu_threads or max(1, len(os.sched_getaffinity(0))))
+            # One intra-op thread per CPU this process may use (affinity and cgroup
+            # quota). Call from the thread that runs the steps: OpenMP's thread count is
+            # per calling thread, and the C++ decode kernel's parallel region inherits it.
+            torch.set_num_threads(threads)
+        # Steps ask it how many threads to run with (fewer while a busy neighbour makes
+        # that faster) and tell it how long they took.
+        self.thread_tuner: ThreadTuner | None = (
+            ThreadTuner(threads) if self.device.type == "cpu" and mc.adaptive_threads
+            and threads > 1 else None)
         if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
@@ -299,14 +307,30 @@ class ModelRunner:
                 "decode_kernel": self.decode_kernel}
 
     # ---- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step's forward and sample the sequences with `sample` (the block ops are
         `apply_block_ops`, called first by EngineCore); forget `out.finished_request_ids`.
 
         Returns their tokens; a row with non-finite logits or out-of-range sampling
-        params is in `failed` (the other rows are unaffected).
-        Raises RuntimeError after `release()`."""
+        params is in `failed` (the other rows are unaffected). With a thread tuner (CPU,
+        adaptive_threads) the step runs with the thread count it asks for, and its wall
+        time is reported back. Raises RuntimeError after `release()`."""
+        tuner = self.thread_tuner
+        if tuner is None or not out.sequences or self.model is None:
+            return self._execute(out)
+        n = tuner.threads_for_next_step()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)  # this thread's OpenMP team, the C++ kernel's too
+        t0 = time.perf_counter()
+        result = self._execute(out)
+        decision = tuner.observe(time.perf_counter() - t0, out.num_batched_tokens)
+        if decision is not None and decision[1] != decision[2]:
+            log.info("threads: %d -> %d (steps took %.2fx the time with %d)",
+                     decision[1], decision[2], decision[3], decision[2])
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
         if self.model is None:

@@ -40,12 +40,13 @@ GREEDY_EPS = 1e-5
 
 
 class SamplingParamsLike(Protocol):
-    """What the sampler reads from a request's params (`protocol.SamplingParams` has it)."""
+    """What the sampler reads from a request's params (`protocol.SamplingParams` has it);
+    None means the neutral value (temperature 1, top_p 1, top_k 0, min_p 0)."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
     seed: int | None
 
 
@@ -78,7 +79,12 @@ def build_sampling_tensors(
     top_k: list[int] = []
     min_p: list[float] = []
     for row, p in enumerate(params):
-        t, tp, tk, mp = float(p.temperature), float(p.top_p), p.top_k, float(p.min_p)
+        # None (unset) is the neutral value; the engine fills unset values from the model's
+        # generation config at admission, so only direct callers ever pass None here.
+        t = 1.0 if p.temperature is None else float(p.temperature)
+        tp = 1.0 if p.top_p is None else float(p.top_p)
+        tk = 0 if p.top_k is None else p.top_k
+        mp = 0.0 if p.min_p is None else float(p.min_p)
         if not 0.0 <= t < float("inf"):
             raise ValueError(f"row {row}: temperature must be a finite float >= 0, got {p.temperature!r}")
         if not 0.0 < tp <= 1.0:

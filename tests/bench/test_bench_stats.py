@@ -79,6 +79,7 @@ def test_metrics_by_hand():
     assert m.requests_per_s == pytest.approx(4.0)
     assert m.output_tokens_per_s == pytest.approx(12.0)
     assert m.goodput_requests_per_s == pytest.approx(2.0)  # only b0 has TTFT <= 150 ms
+    assert m.goodput_output_tokens_per_s == pytest.approx(6.0)  # b0's 3 tokens / 0.5 s
     assert m.slo_attainment == pytest.approx(1 / 3)
     assert m.ttft_ms.mean == pytest.approx(150.0) and m.ttft_ms.p90 == pytest.approx(190.0)
     assert m.itl_ms.count == 3 and m.itl_ms.median == pytest.approx(100.0)
@@ -88,6 +89,7 @@ def test_metrics_by_hand():
     assert m.ttft_gap_ms.mean == pytest.approx(7.5)   # (10 + 5) / 2
     no_slo = compute_metrics(_records())
     assert no_slo.goodput_requests_per_s is None and no_slo.slo_attainment is None
+    assert no_slo.goodput_output_tokens_per_s is None
 
 
 def test_short_e2e_is_the_requests_at_or_under_the_median_max_tokens():

@@ -36,7 +36,7 @@ _ROUTED = re.compile(r'^conveyor:cluster_requests_routed_total\{replica="([^"]+)
 
 def small_engine_config() -> EngineConfig:
     """Small engines: 512 blocks of 16 tokens, 16 sequences, 256-token steps, 1 thread."""
-    return EngineConfig(model=ModelConfig(cpu_threads=1),
+    return EngineConfig(model=ModelConfig(num_threads=1),
                         cache=CacheConfig(num_kv_blocks=512, swap_space=0.0),
                         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256))
 

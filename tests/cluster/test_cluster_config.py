@@ -57,8 +57,8 @@ def test_deployment_options():
     assert "num_replicas" not in auto and auto["max_ongoing_requests"] == 40
     assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 6,
                                           "initial_replicas": 2, "target_ongoing_requests": 12}
-    # torch threads from the reservation, unless --cpu-threads said otherwise
+    # torch threads from the reservation, unless --num-threads said otherwise
     assert replica_engine_config(engine, ClusterConfig(num_cpus_per_replica=2)) \
-        .model.cpu_threads == 2
-    pinned = EngineConfig(model=ModelConfig(cpu_threads=3))
-    assert replica_engine_config(pinned, ClusterConfig()).model.cpu_threads == 3
+        .model.num_threads == 2
+    pinned = EngineConfig(model=ModelConfig(num_threads=3))
+    assert replica_engine_config(pinned, ClusterConfig()).model.num_threads == 3

@@ -145,6 +145,29 @@ async def test_a_request_survives_its_socket_closing_elsewhere(cluster):
         raise AssertionError(f"replicas still running requests: {running}")
 
 
+async def test_responses_chained_turns_stay_on_one_replica_and_hit_the_cache(cluster):
+    """/v1/responses through the cluster: the same ResponsesConnection actor; a chained
+    conversation's prompts share their prefix, so affinity keeps it on one replica."""
+    from tests.integration.test_responses_ws import MODEL, blocks, check_stream, client, turn
+
+    before = await cluster.routed()
+    texts, usages, previous = [], [], None
+    async with client(cluster).responses.connect() as conn:
+        for q in ["What is the capital of France?", "And the capital of Italy?",
+                  "And the capital of Spain?"]:
+            events = await turn(conn, model=MODEL, input=q, temperature=0,
+                                max_output_tokens=32, previous_response_id=previous)
+            texts.append(check_stream(events))
+            usages.append(events[-1].response.usage)
+            previous = events[-1].response.id
+    assert "Paris" in texts[0]
+    got = await cluster.routed() - before
+    assert len(got) == 1 and sum(got.values()) == 3, got
+    for earlier, later in zip(usages, usages[1:]):
+        context = earlier.input_tokens + earlier.output_tokens - 1
+        assert later.input_tokens_details.cached_tokens >= blocks(context), (earlier, later)
+
+
 async def replica_ids(cluster) -> set[str]:
     status, text = await cluster.aget("/metrics")
     return {line.split('replica="')[1].split('"')[0] for line in text.splitlines()

@@ -21,11 +21,15 @@ if HAVE_RAY:
     from protocol import (ContextLengthExceeded, Delta, Done, Error, InvalidRequest,
                           SamplingParams, ShuttingDown, Timings, Usage)
     from service.core.block_pool import KVBlockPool
+    from service.generation_config import SamplingDefaults
     from service.cluster.ingress_metrics import IngressMetrics
     from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
     from service.cluster.remote_engine import RemoteEngine
     from service.request_input import coerce_messages
     from service.tokenize_prompt import PromptTokenizer
+
+
+DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="test") if HAVE_RAY else None
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +92,8 @@ class FakeHandle:
 def make_engine(tokenizer, streams: list[FakeStream]) -> tuple[RemoteEngine, FakeHandle]:
     handle = FakeHandle(streams)
     info = ReplicaInfo(model_name="SmolLM2-135M-Instruct", max_model_len=512, vocab_size=49152,
-                       block_size=16, num_kv_blocks=64, tokenizer=tokenizer)
+                       block_size=16, num_kv_blocks=64, tokenizer=tokenizer,
+                       sampling_defaults=DEFAULTS)
     return RemoteEngine(handle, info, IngressMetrics("SmolLM2-135M-Instruct")), handle
 
 
@@ -118,7 +123,10 @@ async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokeniz
     assert request.prompt_token_ids == ids
     assert list(request.block_hashes) == KVBlockPool(1, 16).block_hashes(ids)
     assert len(request.block_hashes) == len(ids) // 16 >= 2
-    assert request.params == SamplingParams(max_tokens=3) and request.waited_s >= 0
+    # unset sampling values take the model's defaults here, as the engine would
+    assert request.params == SamplingParams(max_tokens=3, temperature=0.2, top_p=0.9, top_k=0,
+                                            min_p=0.0)
+    assert request.waited_s >= 0 and engine.sampling_defaults is DEFAULTS
     await drain(engine)
     assert [type(e) for e in events] == [Delta, Done]
 

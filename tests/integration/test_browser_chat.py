@@ -276,3 +276,23 @@ async def test_control_tokens_typed_in_the_page_stay_plain_text(make_server, bro
         len(tokenizer.encode(scaffold, add_special_tokens=False)) + len(plain)
     await _wait_idle(engine)
     assert js_errors == []
+
+
+async def test_an_empty_temperature_leaves_the_models_default(make_server, browser_page):
+    """Issue 17: the Temperature field starts empty, shows the server's default from
+    `hello`, and an empty field sends no temperature (the generation config applies)."""
+    from playwright.async_api import expect
+
+    page, sent, js_errors = browser_page
+    engine, server = await make_server()
+    await _open(page, server.port)
+    field = page.get_by_label("Temperature")
+    await expect(field).to_have_value("")
+    await expect(field).to_have_attribute("placeholder", "model default: 0.2")
+    await page.get_by_label("Max tokens").fill("8")
+    await page.get_by_label("Message").fill("Hi")
+    await page.get_by_role("button", name="Send").click()
+    await _wait_answer_end(page)
+    assert [f["params"] for f in sent if f["type"] == "generate"] == [{"max_tokens": 8}]
+    assert js_errors == []
+    await _wait_idle(engine)

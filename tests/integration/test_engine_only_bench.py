@@ -34,7 +34,19 @@ def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> N
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
 
 
+def test_cpu_hog_and_the_adaptive_thread_variant(loaded_model) -> None:
+    report = run(["--decode-seqs", "1,2", "--context", "24", "--steps", "3", "--rounds", "2",
+                  "--warmup", "0", "--prefill-len", "0", "--threads", "1,auto",
+                  "--cpu-hog", "1"], loaded=loaded_model)
+    assert report["machine"]["cpu_hogs"] == 1
+    assert list(report["results"]["decode-2"]) == ["fp32/cpp/1t", "fp32/cpp/auto"]
+    assert report["results"]["decode-2"]["fp32/cpp/auto"]["steps_measured"] == 6
+    assert list(report["thread_tuning"]) == ["decode-1", "decode-2"]  # a tuner per scenario
+    assert list(report["thread_tuning"]["decode-2"]) == ["fp32/cpp/auto"]
+
+
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--threads", "0"],
+                                  ["--threads", "auto,x"], ["--cpu-hog", "-1"],
                                   ["--decode-seqs", "", "--prefill-len", "0"],
                                   ["--steps", "0"], ["--decode-seqs", "a"],
                                   ["--cpu-decode-kernel", "fast"],

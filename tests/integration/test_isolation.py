@@ -97,10 +97,13 @@ async def test_huge_prompts_are_refused_without_freezing_other_clients(make_serv
     streamer = await RawClient.connect(server.url)
     sender = await RawClient.connect(server.url, max_size=None)
     await streamer.ws.send(generate_frame("stream", max_tokens=400, ignore_eos=True))
-    await wait_until(lambda: len(streamer.text("stream")[1]) >= 10, 120, "the stream to run")
-    await asyncio.sleep(1.0)
-    before = [f["_at"] for f in streamer.frames["stream"] if f["type"] == "delta"]
-    worst_before = max(b - a for a, b in zip(before, before[1:]))
+
+    def delta_times() -> list[float]:
+        return [f["_at"] for f in streamer.frames["stream"] if f["type"] == "delta"]
+
+    await wait_until(lambda: len(delta_times()) >= 8, 300, "the stream to run")
+    before = delta_times()
+    worst_before = max(b - a for a, b in zip(before[1:], before[2:]))  # after the first token
     big = "word " * (8_000_000 // 5)  # ~8 MB of text: far more tokens than the context
     t0 = time.monotonic()
     for i in range(4):
@@ -112,14 +115,19 @@ async def test_huge_prompts_are_refused_without_freezing_other_clients(make_serv
     status = (await http_get(server.port, "/health"))[0]
     health_s = time.monotonic() - health_t
     for i in range(4):
-        frames = await sender.wait_ended(f"big{i}", 60)
+        frames = await sender.wait_ended(f"big{i}", 120)
         assert [f["code"] for f in frames] == ["context_length_exceeded"], frames
-    after = [f["_at"] for f in streamer.frames["stream"] if f["type"] == "delta"
-             and f["_at"] >= t0]
-    gaps = [b - a for a, b in zip(after, after[1:])]
+    t1 = time.monotonic()
+    await wait_until(lambda: sum(t > t1 for t in delta_times()) >= 3, 300,
+                     "the stream to go on after the burst")
+    # every gap that overlaps the burst, from the last delta before it on
+    window = [t for t in delta_times() if t >= t0]
+    last_before = max(t for t in delta_times() if t < t0)
+    gaps = [b - a for a, b in zip([last_before] + window, window)]
     assert status == 200 and health_s < 1.0, health_s
-    # the stream kept going through the burst: no gap beyond ~1 s (or 3x its usual worst)
-    assert gaps and max(gaps) < max(1.0, 3 * worst_before), (max(gaps), worst_before)
+    # the stream kept going through the burst: no gap beyond ~1 s (or 3x its usual worst,
+    # on a machine so busy that a step alone takes longer)
+    assert max(gaps) < max(1.0, 3 * worst_before), (max(gaps), worst_before)
     for c in (streamer, sender):
         await c.close()
     await wait_idle(engine)

@@ -77,9 +77,12 @@ def check(data: str | bytes) -> None:
             assert all(isinstance(t, int) and t >= 0 for t in msg.prompt_token_ids)
         p = msg.params
         assert isinstance(p.max_tokens, int) and p.max_tokens >= 1
-        assert math.isfinite(p.temperature) and p.temperature >= 0
-        assert 0 < p.top_p <= 1 and 0 <= p.min_p <= 1
-        assert isinstance(p.top_k, int) and not isinstance(p.top_k, bool) and p.top_k >= 0
+        # None: unset, the server's default (the model's generation config) applies
+        assert p.temperature is None or (math.isfinite(p.temperature) and p.temperature >= 0)
+        assert p.top_p is None or 0 < p.top_p <= 1
+        assert p.min_p is None or 0 <= p.min_p <= 1
+        assert p.top_k is None or (isinstance(p.top_k, int) and not isinstance(p.top_k, bool)
+                                   and p.top_k >= 0)
         assert p.seed is None or isinstance(p.seed, int)
         assert len(p.stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in p.stop)
         assert all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids)

@@ -168,12 +168,14 @@ def test_absent_prompt_forms_and_default_params_are_omitted() -> None:
 
 
 def test_sampling_params_defaults_are_the_protocol_table() -> None:
+    # temperature, top_p, top_k, min_p: None = unset, filled from the model's generation
+    # config by the engine (service/generation_config.py)
     assert msgspec.structs.asdict(SamplingParams()) == {
         "max_tokens": 256,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "min_p": None,
         "seed": None,
         "stop": (),
         "stop_token_ids": (),

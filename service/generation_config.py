@@ -1,0 +1,118 @@
+"""Sampling defaults from the model's generation config (vLLM's `--generation-config`).
+
+A request leaves `temperature`, `top_p`, `top_k` or `min_p` unset (None in
+`SamplingParams`) when its client did not choose one; the engine fills each unset
+value here, once, at admission (`SamplingDefaults.apply`, called by
+`Engine.add_request`). Where the defaults come from (`ModelConfig.generation_config`):
+
+    auto   the model's `generation_config.json` (the keys its authors set, as vLLM's
+           `get_diff_sampling_param` reads them); a model without one, like the GGUF
+           file of the embedded SmolLM2-135M-Instruct, gets its model card's
+           recommendation from `MODEL_CARD_DEFAULTS` (SmolLM2 Instruct: temperature 0.2,
+           top_p 0.9); otherwise the neutral values
+    vllm   the neutral values: temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0 (off)
+    PATH   a folder holding `generation_config.json`, or that file itself
+
+`max_new_tokens` and `repetition_penalty`, which vLLM also reads, are not applied:
+`max_tokens` keeps the protocol's default (256) and the sampler has no repetition
+penalty.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import msgspec
+
+from protocol import SamplingParams
+
+__all__ = ["MODEL_CARD_DEFAULTS", "SamplingDefaults", "load_sampling_defaults"]
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+MODEL_CARD_DEFAULTS: tuple[tuple[re.Pattern[str], dict[str, float], str], ...] = (
+    # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: its usage example generates with
+    # temperature=0.2, top_p=0.9 (the same for the 360M and 1.7B Instruct models)
+    (re.compile(r"^SmolLM2-[0-9.]+[MB]-Instruct$", re.IGNORECASE),
+     {"temperature": 0.2, "top_p": 0.9}, "the SmolLM2 Instruct model card"),
+)
+"""Recommendations from model cards, for models that ship no generation config:
+(pattern on the model's display name, values, where they come from)."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The values unset sampling parameters take, and where they came from.
+
+    temperature in [0, 100], top_p in (0, 1], top_k >= 0 (0 = off), min_p in [0, 1]
+    (0 = off); `source` says where they were read, e.g. "vllm (neutral)" or a path.
+    Raises ValueError naming the field for a value out of range.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    source: str = "vllm (neutral)"
+
+    def __post_init__(self) -> None:
+        try:  # the wire's own ranges (protocol.messages.SamplingParams)
+            msgspec.convert(self.as_dict(), SamplingParams)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"sampling defaults from {self.source}: {e}") from None
+
+    def as_dict(self) -> dict[str, float]:
+        """{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ...} (sent in `hello`)."""
+        return {k: getattr(self, k) for k in SAMPLING_KEYS}
+
+    def apply(self, params: SamplingParams) -> SamplingParams:
+        """`params` with every unset (None) sampling field replaced by its default."""
+        unset = {k: v for k, v in self.as_dict().items() if getattr(params, k) is None}
+        return msgspec.structs.replace(params, **unset) if unset else params
+
+
+def _read_json(path: Path) -> dict[str, float]:
+    """The sampling keys a generation_config.json sets (null values count as unset)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable generation config: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a generation config is a JSON object")
+    return {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+
+
+def _from_values(values: dict[str, float], source: str) -> SamplingDefaults:
+    known = {f.name for f in fields(SamplingDefaults)}
+    return SamplingDefaults(**{k: v for k, v in values.items() if k in known}, source=source)
+
+
+def load_sampling_defaults(mode: str, model_path: str | None, model_name: str) -> SamplingDefaults:
+    """The defaults for `ModelConfig.generation_config` = `mode` ("auto", "vllm" or a PATH).
+
+    model_path: the model's folder or `.gguf` file (None: no file to look in);
+    model_name: its display name, matched against `MODEL_CARD_DEFAULTS`.
+    Raises FileNotFoundError when PATH has no generation_config.json, ValueError for an
+    unreadable file or a value out of range.
+    """
+    if mode == "vllm":
+        return SamplingDefaults()
+    if mode != "auto":
+        path = Path(mode)
+        file = path / "generation_config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"--generation-config {mode}: no generation_config.json there")
+        return _from_values(_read_json(file), str(file))
+    if model_path is not None and Path(model_path).is_dir():
+        file = Path(model_path) / "generation_config.json"
+        if file.is_file():
+            values = _read_json(file)
+            if values:
+                return _from_values(values, str(file))
+    for pattern, values, source in MODEL_CARD_DEFAULTS:
+        if pattern.match(model_name):
+            return _from_values(values, source)
+    return SamplingDefaults(source="vllm (neutral; the model has no generation config)")

@@ -1,0 +1,97 @@
+"""A Responses turn's prompt: token ids that continue the previous response's exact tokens.
+
+With `previous_response_id`, the engine's prompt for turn N+1 is turn N's context
+(its prompt + output token ids, as sampled, not re-tokenized) followed by the ids of
+the chat-template text that comes after it: the end of turn N's last message, the new
+input items, and the generation prompt. So every full KV block of turn N is a prefix
+cache hit on turn N+1. For ChatML (SmolLM2):
+
+    turn N context:   <|im_start|>system ...<|im_start|>user\\nQ1<|im_end|>\\n<|im_start|>assistant\\nA1
+    turn N+1 adds:    <|im_end|>\\n<|im_start|>user\\nQ2<|im_end|>\\n<|im_start|>assistant\\n
+
+A warm-up (`generate: false`) prefills its context only up to the end of its last
+item's content (no end-of-turn, no generation prompt), so the turn that continues it
+shares every one of those tokens. When a turn's `instructions` differ from those its
+predecessor was rendered with, the conversation is rendered anew from its messages
+(instructions are not carried over, as OpenAI documents; the cache then hits only
+where the tokens still agree).
+"""
+
+from __future__ import annotations
+
+import weakref
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from protocol import ChatMessage
+from service.responses.store import StoredResponse
+from service.tokenize_prompt import PromptTokenizer
+
+__all__ = ["build_prompt", "context_after", "prompt_tokenizer"]
+
+_tokenizers: weakref.WeakKeyDictionary[Any, PromptTokenizer] = weakref.WeakKeyDictionary()
+
+
+def prompt_tokenizer(tokenizer: Any) -> PromptTokenizer:
+    """One PromptTokenizer per tokenizer, shared by every connection (thread-safe; the
+    first call builds it, about a second: call it off the event loop)."""
+    pt = _tokenizers.get(tokenizer)
+    if pt is None:
+        pt = _tokenizers[tokenizer] = PromptTokenizer(tokenizer, len(tokenizer))
+    return pt
+
+
+def _turns(instructions: str | None, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    return ([ChatMessage("system", instructions)] if instructions else []) + list(messages)
+
+
+def _up_to_last_content(pt: PromptTokenizer, turns: list[ChatMessage],
+                        ids: list[int]) -> list[int]:
+    """`ids` (rendered without a generation prompt) cut after the last turn's content."""
+    tail = pt.chat_ids(turns, after=len(turns) - 1, add_generation_prompt=False)
+    if tail and ids[-len(tail):] == tail:
+        return ids[:-len(tail)]
+    return ids
+
+
+def build_prompt(pt: PromptTokenizer, previous: StoredResponse | None,
+                 instructions: str | None, new: Sequence[ChatMessage], *,
+                 generate: bool) -> tuple[list[int], tuple[ChatMessage, ...]]:
+    """(prompt token ids, the conversation's messages including `new`) for one turn.
+
+    previous: the response this turn continues, or None. generate: False for a warm-up
+    (no generation prompt; the context ends with the last new item's content).
+    Raises InvalidRequest (from the chat template: an unknown role, ...) naming
+    "$.messages[i]" of the turns as rendered.
+    """
+    history = previous.messages if previous is not None else ()
+    messages = tuple(history) + tuple(new)
+    turns = _turns(instructions, messages)
+    if previous is not None and previous.instructions == instructions and history:
+        k = len(turns) - len(new) - 1  # the turn whose content ends previous's context
+        ids = list(previous.token_ids)
+        if generate:
+            suffix = pt.chat_ids(turns, after=k, add_generation_prompt=True)
+        elif new:
+            suffix = _up_to_last_content(
+                pt, turns, pt.chat_ids(turns, after=k, add_generation_prompt=False))
+        else:  # a warm-up with nothing new: the context as it is
+            suffix = []
+        return ids + suffix, messages
+    ids = pt.chat_ids(turns, add_generation_prompt=generate)
+    if not generate:
+        ids = _up_to_last_content(pt, turns, ids)
+    return ids, messages
+
+
+def context_after(response_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                  messages: tuple[ChatMessage, ...], instructions: str | None,
+                  special_ids: frozenset[int]) -> StoredResponse:
+    """The context a completed turn leaves: its prompt + output ids without the trailing
+    special tokens (EOS: the template's own end of turn follows in the next prompt)."""
+    out = list(output_ids)
+    while out and out[-1] in special_ids:
+        out.pop()
+    return StoredResponse(response_id, messages, instructions,
+                          array("i", list(prompt_ids) + out))

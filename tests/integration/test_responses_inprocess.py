@@ -1,0 +1,34 @@
+"""`/v1/responses` on an in-process server (real model) where the test needs the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import websockets
+from openai.types.responses.responses_server_event import ResponsesServerEvent
+from pydantic import TypeAdapter
+
+from service.config import ServerConfig
+
+from tests.integration.reliability_support import wait_idle
+
+pytestmark = pytest.mark.model
+
+EVENT = TypeAdapter(ResponsesServerEvent)
+
+
+async def test_an_unset_max_output_tokens_fits_a_kv_cache_smaller_than_the_context(
+        make_server) -> None:
+    engine, server = await make_server(ServerConfig(port=0), num_kv_blocks=32)  # 512 tokens
+    assert engine.max_model_len > 512
+    url = server.url.replace("/v1/stream", "/v1/responses")
+    async with websockets.connect(url) as ws:
+        await ws.send(json.dumps({"type": "response.create", "temperature": 0,
+                                  "input": "What is the capital of France?"}))
+        while (event := EVENT.validate_json(await ws.recv())).type not in (
+                "response.completed", "response.incomplete", "response.failed", "error"):
+            pass
+    assert event.type == "response.completed", event
+    assert "Paris" in event.response.output[0].content[0].text
+    await wait_idle(engine)

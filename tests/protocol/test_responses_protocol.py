@@ -1,0 +1,103 @@
+"""`response.create` parsing and the Responses events, checked against the official SDK's types."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.responses.responses_client_event import ResponseCreate as SdkCreate
+from openai.types.responses.responses_server_event import ResponsesServerEvent
+from pydantic import TypeAdapter
+
+from protocol import ChatMessage, encode
+from protocol.responses_request import ResponsesError, parse_client_frame
+
+SERVER_EVENT = TypeAdapter(ResponsesServerEvent)
+
+
+def create(**fields) -> str:
+    return json.dumps({"type": "response.create", **fields})
+
+
+def test_string_input_is_one_user_turn() -> None:
+    req = parse_client_frame(create(model="m", input="Hi", max_output_tokens=5, temperature=0))
+    assert req.messages == [ChatMessage("user", "Hi")]
+    assert (req.model, req.max_output_tokens, req.temperature, req.top_p) == ("m", 5, 0.0, None)
+    assert (req.store, req.generate, req.metadata, req.stream_id) == (True, True, {}, None)
+
+
+def test_message_items_and_parts_become_chat_turns() -> None:
+    req = parse_client_frame(create(input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Hello, "}, {"type": "input_text", "text": "you"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hi!", "annotations": []}]},
+    ], store=False, generate=False, metadata={"k": "v"}, stream_id="lane-1"))
+    assert req.messages == [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello, you"),
+                            ChatMessage("assistant", "Hi!")]
+    assert (req.store, req.generate, req.metadata, req.stream_id) == (False, False, {"k": "v"},
+                                                                      "lane-1")
+
+
+def test_what_the_agents_sdk_sends_with_no_tools_is_accepted() -> None:
+    req = parse_client_frame(create(
+        model="m", input=[{"role": "user", "content": "Hi"}], include=[], tools=[],
+        stream=True, instructions="You are terse.", text={"format": {"type": "text"}},
+        tool_choice="auto", parallel_tool_calls=False, truncation="disabled",
+        reasoning={"effort": None, "summary": None}))
+    assert req.instructions == "You are terse." and req.messages == [ChatMessage("user", "Hi")]
+
+
+@pytest.mark.parametrize("fields, code, param", [
+    ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
+    ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+     "unsupported_value", "text.format"),
+    ({"reasoning": {"effort": "high"}}, "unsupported_parameter", "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "unsupported_parameter", "include"),
+    ({"background": True}, "unsupported_parameter", "background"),
+    ({"conversation": "conv_1"}, "unsupported_parameter", "conversation"),
+    ({"truncation": "auto"}, "unsupported_value", "truncation"),
+    ({"colour": "blue"}, "unknown_parameter", "colour"),
+    ({"temperature": 2.5}, "invalid_value", "temperature"),
+    ({"top_p": 0}, "invalid_value", "top_p"),
+    ({"max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "invalid_value", "metadata"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "unsupported_value", "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "unsupported_value", "input[0].content[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input[0].role"),
+    ({"input": []}, "missing_required_parameter", "input"),
+])
+def test_bad_or_unsupported_fields_are_named(fields, code, param) -> None:
+    body = {"input": "Hi", **fields}
+    with pytest.raises(ResponsesError) as info:
+        parse_client_frame(create(**body))
+    assert (info.value.code, info.value.param, info.value.status) == (code, param, 400)
+    SERVER_EVENT.validate_json(encode(info.value.event(0)))  # the documented error shape
+
+
+@pytest.mark.parametrize("frame, code", [
+    ("{not json", "invalid_json"),
+    ('{"type": "response.steer", "input": "x"}', "unsupported_value"),
+    ('{"type": "generate", "id": "r1", "prompt": "x"}', "invalid_value"),
+    ("[1, 2]", "invalid_json"),
+])
+def test_frames_that_are_not_a_create(frame, code) -> None:
+    with pytest.raises(ResponsesError) as info:
+        parse_client_frame(frame)
+    assert info.value.code == code
+    event = json.loads(encode(info.value.event(0)))
+    assert event["type"] == "error" and event["sequence_number"] == 0
+    assert set(event["error"]) == {"type", "code", "message", "param"}
+
+
+def test_the_sdk_create_event_parses() -> None:
+    """What `connection.response.create(...)` sends: the SDK's own model, serialized."""
+    sdk = SdkCreate(type="response.create", model="m", input="Hi", previous_response_id="r",
+                    max_output_tokens=8, top_p=0.5, generate=True, stream_id="s")
+    req = parse_client_frame(sdk.to_json(exclude_unset=True))
+    assert (req.previous_response_id, req.max_output_tokens, req.top_p, req.stream_id) == \
+        ("r", 8, 0.5, "s")
