@@ -113,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             from service.cluster.launch import serve_cluster
 
             return serve_cluster(a)
-        except ClusterUnavailable as e:
-            print(f"conveyor: {e}", file=sys.stderr)
-            return 2
-        except ValueError as e:
+        except (ClusterUnavailable, ValueError) as e:  # one line: the extra, or a bad flag
             print(f"conveyor: {e}", file=sys.stderr)
             return 2
     runner = asyncio.run
