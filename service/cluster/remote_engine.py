@@ -38,7 +38,7 @@ from service.admission import Preprocessor
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.core.block_pool import KVBlockPool
-from service.request_stream import Event, RequestStream, Sink
+from service.request_stream import RequestStream, Sink
 from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
