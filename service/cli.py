@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from service.cluster.config import add_cluster_args
 from service.engine_args import add_engine_args, add_server_args, engine_config, server_config
 
 __all__ = ["add_engine_args", "build_parser", "engine_config", "main", "server_config"]
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_server_args(serve)
     add_engine_args(serve)
+    add_cluster_args(serve)
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"],
                        help="log level; JSON lines unless stderr is a terminal")
@@ -103,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     from service.logs import configure_logging
 
     configure_logging(a.log_level)
+    if a.replicas is not None:
+        from service.cluster import ClusterUnavailable, require_ray
+
+        try:
+            require_ray()
+            from service.cluster.launch import serve_cluster
+
+            return serve_cluster(a)
+        except (ClusterUnavailable, ValueError) as e:  # one line: the extra, or a bad flag
+            print(f"conveyor: {e}", file=sys.stderr)
+            return 2
     runner = asyncio.run
     if a.loop == "uvloop":
         import uvloop

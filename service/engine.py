@@ -182,6 +182,11 @@ class Engine:
             core.runner = FaultyRunner(core.runner, self._faults)
             core.scheduler.policy = FaultyPolicy(core.scheduler.policy, self._faults)
 
+    def stats(self) -> CoreStats | None:
+        """Requests running and waiting (the admission inbox included), KV usage (0..1),
+        prefix-cache and preemption counters, as /metrics shows them; None before start()."""
+        return self._metrics_state()
+
     def _metrics_state(self) -> CoreStats | None:
         """What the gauges show at scrape time (waiting includes the admission inbox)."""
         if self._core is None:
@@ -223,6 +228,11 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds (blocks x block_size): no request spans more."""
+        return self.core.scheduler.pool.num_blocks * self.config.cache.block_size
 
     @property
     def tokenizer(self) -> Any:

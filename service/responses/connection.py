@@ -100,8 +100,7 @@ class ResponsesConnection(SocketActor):
     def _room(self) -> int:
         """Tokens one request may span: the context, and the whole KV cache (an unset
         max_output_tokens is what is left of it after the prompt, as vLLM does)."""
-        cache = self.engine.core.scheduler.pool.num_blocks * self.engine.config.cache.block_size
-        return min(self.engine.max_model_len, cache)
+        return min(self.engine.max_model_len, self.engine.kv_cache_tokens)
 
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         stream_id = None

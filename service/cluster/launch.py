@@ -1,0 +1,99 @@
+"""`conveyor serve --replicas N`: bring Ray up, deploy the application, serve, drain.
+
+    1. Ray: join --ray-address, else a Ray instance already running on this machine
+       (`ray start --head`), else start a local one (no dashboard: it costs CPU).
+    2. Serve's HTTP proxy on --host:--port, then the application (service.cluster.app):
+       N EngineReplica replicas, each loading the model, and the Ingress.
+    3. Print the URL; serve until SIGTERM / SIGINT.
+    4. Drain like `conveyor serve`: /health 503, new requests `shutting_down`, requests
+       in flight get --shutdown-timeout seconds (a second signal cancels them at once),
+       sockets close with 1001; then the application is deleted, and Serve and Ray are
+       shut down if this command started them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from types import FrameType
+
+GRACE_S = 30.0
+"""Seconds beyond --shutdown-timeout allowed for the drain call itself."""
+
+
+def start_ray(address: str | None) -> bool:
+    """Connect to Ray (see the module docstring); True when this call started it."""
+    import ray
+
+    if address:
+        ray.init(address=address)
+        return False
+    try:
+        ray.init(address="auto")  # a cluster started with `ray start` on this machine
+        return False
+    except ConnectionError:
+        ray.init(address="local", include_dashboard=False)
+        return True
+
+
+def serve_cluster(a: argparse.Namespace) -> int:
+    """Run the cluster until a signal; 0 on a clean stop. Raises ValueError for bad flags."""
+    import ray
+    from ray import serve
+
+    from service.cli import engine_config, server_config
+    from service.cluster.config import cluster_config
+    from service.cluster.app import build_app
+
+    engine, net, cluster = engine_config(a), server_config(a), cluster_config(a)
+    if net.port == 0:
+        raise ValueError("--port 0 is not supported with --replicas: Ray Serve's proxy needs "
+                         "a fixed port")
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        (force if stop.is_set() else stop).set()
+
+    started = start_ray(a.ray_address)
+    try:
+        serve.start(http_options={"host": net.host, "port": net.port})
+        scaling = (f"autoscaling {cluster.min_replicas}..{cluster.max_replicas}"
+                   if cluster.autoscaling else f"{cluster.num_replicas}")
+        print(f"conveyor: deploying {scaling} replicas of "
+              f"{a.model or 'SmolLM2-135M-Instruct (default)'} ({cluster.num_cpus_per_replica:g} "
+              f"CPU each, {cluster.routing} routing); each loads the model ...", flush=True)
+        handle = serve.run(build_app(engine, net, cluster), name=cluster.app_name,
+                           route_prefix=cluster.route_prefix, blocking=False)
+        host = f"[{net.host}]" if ":" in net.host else net.host
+        print(f"conveyor: serving at ws://{host}:{net.port}/v1/stream "
+              f"(Ray Serve application {cluster.app_name!r})", flush=True)
+        print(f"conveyor: health at http://{host}:{net.port}/health", flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        while not stop.wait(0.5):
+            pass
+        print(f"conveyor: shutting down: requests in flight get {net.shutdown_timeout:g} s "
+              "(a second signal cancels them now)", flush=True)
+        drain = handle.drain.remote(net.shutdown_timeout)
+        while True:
+            try:
+                drain.result(timeout_s=0.5)
+                break
+            except TimeoutError:
+                if force.is_set():
+                    force.clear()
+                    handle.drain.remote(0.0).result(timeout_s=GRACE_S)
+    except KeyboardInterrupt:  # Ctrl-C while deploying
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            if started:
+                serve.shutdown()
+            else:
+                serve.delete(cluster.app_name)
+        finally:
+            ray.shutdown()
+    print("conveyor: stopped", flush=True)
+    return 0

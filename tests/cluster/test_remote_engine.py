@@ -1,0 +1,205 @@
+"""RemoteEngine's logic with a fake deployment handle (no Ray cluster, real tokenizer).
+
+The real cluster tests (test_cluster_endpoint.py) show the same paths end to end; these
+pin down each one alone: admission checks before routing, the retry when a replica
+dies before admitting, a replica's refusal, a death mid-stream, and pinned aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.cluster.conftest import HAVE_RAY
+
+pytestmark = pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed")
+
+if HAVE_RAY:
+    from ray.exceptions import ActorDiedError
+
+    from protocol import (ContextLengthExceeded, Delta, Done, Error, InvalidRequest,
+                          SamplingParams, ShuttingDown, Timings, Usage)
+    from service.core.block_pool import KVBlockPool
+    from service.generation_config import SamplingDefaults
+    from service.cluster.ingress_metrics import IngressMetrics
+    from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
+    from service.cluster.remote_engine import RemoteEngine
+    from service.request_input import coerce_messages
+    from service.tokenize_prompt import PromptTokenizer
+
+
+DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="test") if HAVE_RAY else None
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from service.bench.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+class FakeStream:
+    """What `handle.options(stream=True).generate.remote(...)` returns: items, maybe an
+    exception after them, and cancel()."""
+
+    def __init__(self, items: list, error: BaseException | None = None) -> None:
+        self._items = list(items)
+        self._error = error
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        if self._items:
+            return self._items.pop(0)
+        if self._error is not None:
+            raise self._error
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeMethod:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list[tuple] = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return self.fn(*args)
+
+
+class FakeHandle:
+    deployment_name = "EngineReplica"
+
+    def __init__(self, streams: list[FakeStream]) -> None:
+        self.streams = streams
+        self.generate = FakeMethod(lambda request: self.streams.pop(0))
+
+        async def abort(request_id, pin):
+            return None
+
+        self.abort = FakeMethod(abort)
+
+    def options(self, **_):
+        return self
+
+
+def make_engine(tokenizer, streams: list[FakeStream]) -> tuple[RemoteEngine, FakeHandle]:
+    handle = FakeHandle(streams)
+    info = ReplicaInfo(model_name="SmolLM2-135M-Instruct", max_model_len=512, vocab_size=49152,
+                       block_size=16, num_kv_blocks=64, tokenizer=tokenizer,
+                       sampling_defaults=DEFAULTS)
+    return RemoteEngine(handle, info, IngressMetrics("SmolLM2-135M-Instruct")), handle
+
+
+def done(cid: str, reason: str = "length", n: int = 1) -> Done:
+    return Done(id=cid, finish_reason=reason, usage=Usage(prompt_tokens=5, completion_tokens=n,
+                                                         total_tokens=5 + n),
+                timings=Timings())
+
+
+async def drain(engine: RemoteEngine) -> None:
+    assert await engine.wait_idle(5)
+
+
+async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokenizer):
+    engine, handle = make_engine(hf_tokenizer, [FakeStream([
+        Admitted(41, "B"), [Delta(id="r1", index=0, text="Hi", token_ids=[7])],
+        [done("r1")]])])
+    events: list = []
+    messages = [{"role": "user", "content": "A question long enough to fill a few blocks of "
+                                            "sixteen tokens each, and then some more words."}]
+    n = await engine.add_request(messages=messages, params={"max_tokens": 3}, request_id="c1/r1",
+                                 client_id="r1", sink=events.append)
+    assert n == 41
+    (request,), = handle.generate.calls
+    assert isinstance(request, ReplicaRequest) and request.client_id == "r1"
+    ids = PromptTokenizer(hf_tokenizer, 49152)(messages=coerce_messages(messages))
+    assert request.prompt_token_ids == ids
+    assert list(request.block_hashes) == KVBlockPool(1, 16).block_hashes(ids)
+    assert len(request.block_hashes) == len(ids) // 16 >= 2
+    # unset sampling values take the model's defaults here, as the engine would
+    assert request.params == SamplingParams(max_tokens=3, temperature=0.2, top_p=0.9, top_k=0,
+                                            min_p=0.0)
+    assert request.waited_s >= 0 and engine.sampling_defaults is DEFAULTS
+    await drain(engine)
+    assert [type(e) for e in events] == [Delta, Done]
+
+
+async def test_bad_input_is_refused_before_anything_is_routed(hf_tokenizer):
+    engine, handle = make_engine(hf_tokenizer, [])
+    with pytest.raises(InvalidRequest) as e:
+        await engine.add_request(prompt="hi", params={"temperature": -1}, sink=print)
+    assert e.value.param == "$.params.temperature"
+    with pytest.raises(ContextLengthExceeded):
+        await engine.add_request(prompt="word " * 400, params={"max_tokens": 200}, sink=print)
+    with pytest.raises(InvalidRequest):
+        await engine.add_request(prompt_token_ids=[49152], sink=print)
+    engine.begin_shutdown()
+    with pytest.raises(ShuttingDown):
+        await engine.add_request(prompt="hi", sink=print)
+    assert handle.generate.calls == []
+
+
+async def test_a_replica_dying_before_admission_is_skipped(hf_tokenizer):
+    engine, handle = make_engine(hf_tokenizer, [
+        FakeStream([], ActorDiedError()), FakeStream([Admitted(2, "B"), [done("r")]])])
+    events: list = []
+    assert await engine.add_request(prompt="hi", request_id="k", client_id="r",
+                                    sink=events.append) == 2
+    await drain(engine)
+    assert len(handle.generate.calls) == 2 and events == [done("r")]
+
+
+async def test_the_replicas_refusal_is_raised_as_its_error(hf_tokenizer):
+    refusal = Error(id="r", code="context_length_exceeded", param="$.params.max_tokens",
+                    message="needs more KV blocks than the whole cache", retryable=False)
+    engine, _ = make_engine(hf_tokenizer, [FakeStream([refusal])])
+    with pytest.raises(ContextLengthExceeded, match="KV blocks"):
+        await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=print)
+    assert engine.num_unfinished == 0
+
+
+async def test_death_mid_stream_is_a_retryable_error_then_done(hf_tokenizer):
+    stream = FakeStream([Admitted(5, "A"), [Delta(id="r", index=0, text="a", token_ids=[1])],
+                         [Delta(id="r", index=1, text="b", token_ids=[2])]], ActorDiedError())
+    engine, _ = make_engine(hf_tokenizer, [stream])
+    events: list = []
+    await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=events.append)
+    await drain(engine)
+    *deltas, error, final = events
+    assert len(deltas) == 2
+    assert isinstance(error, Error) and error.code == "internal_error" and error.retryable
+    assert error.id == "r"
+    assert final.finish_reason == "error" and final.usage.completion_tokens == 2
+    assert final.usage.prompt_tokens == 5 and final.timings.ttft_ms is not None
+
+
+async def test_abort_is_pinned_to_the_serving_replica(hf_tokenizer):
+    gate = asyncio.Event()
+
+    class Slow(FakeStream):
+        async def __anext__(self):
+            if not self._items:
+                await gate.wait()
+                return [done("r", "cancelled", 0)]
+            return await super().__anext__()
+
+    engine, handle = make_engine(hf_tokenizer, [Slow([Admitted(5, "SERVE_REPLICA::a#E#x")])])
+    events: list = []
+    await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=events.append)
+    engine.abort("k")
+    engine.abort("k")  # once is enough
+    engine.abort("unknown")
+    await asyncio.sleep(0.05)
+    assert len(handle.abort.calls) == 1
+    request_id, pin = handle.abort.calls[0]
+    assert request_id.endswith("/k") and pin == ReplicaPin("SERVE_REPLICA::a#E#x")
+    gate.set()
+    await drain(engine)
+    assert events[-1].finish_reason == "cancelled"
