@@ -41,9 +41,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "use), sdpa (torch), auto = cpp when it builds (fp32), else sdpa")
     m.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="context cap in tokens, prompt + output")
-    m.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: linear layers in int8 (torch's dynamic quantization, fbgemm; "
-                        "CPU, float32 only); none: dense weights, the default")
+    m.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="linear layers (CPU, float32 only): int8 weights (the fastest correct of "
+                        "our C++ kernels, fbgemm, torch._int_mm and fp32, measured per machine "
+                        "and row count), int4 (4-bit weights in groups of 32, our C++ kernels); "
+                        "none: dense fp32 weights, the default")
+    m.add_argument("--batch-invariant", action="store_true",
+                   help="a request's output does not depend on what else runs in its step or on "
+                        "prefix-cache hits: every linear layer and all attention through our "
+                        "row-invariant C++ kernels (CPU, float32); slower")
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16, metavar="TOKENS",
                    help="tokens per KV block")
@@ -99,7 +105,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device,
                           attention_backend=a.attention_backend, max_model_len=a.max_model_len,
                           cpu_decode_kernel=a.cpu_decode_kernel,
-                          quantization=None if a.quantization == "none" else a.quantization),
+                          quantization=None if a.quantization == "none" else a.quantization,
+                          batch_invariant=a.batch_invariant),
         cache=CacheConfig(block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                           kv_cache_memory=a.kv_cache_memory,
                           enable_prefix_caching=a.enable_prefix_caching,

@@ -28,8 +28,14 @@ class ModelConfig:
     device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
     attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
-    quantization: None (dense weights, the default and the correctness oracle) or "int8"
-        (linear layers in int8 with torch's fbgemm kernels; CPU, dtype float32).
+    quantization: None (dense weights, the default and the correctness oracle), "int8" (int8
+        weights; each layer and row count served by the fastest correct of our C++ kernels,
+        fbgemm's dynamic int8, torch._int_mm and fp32, measured on the machine) or "int4"
+        (4-bit group-wise weights, our C++ kernels). CPU, dtype float32.
+    batch_invariant: a request's output the same bits whatever else runs in its step and
+        whatever came from the prefix cache: every linear layer through our row-invariant
+        C++ kernels and every attention row through the C++ decode kernel (CPU, float32,
+        cpu_decode_kernel auto or cpp). Slower; see README.
     cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
@@ -43,6 +49,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     cpu_decode_kernel: str = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -55,11 +62,17 @@ class ModelConfig:
                ">= 1 tokens", self.max_model_len)
         _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
-        _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
-               self.quantization)
+        _check(self.quantization in (None, "int8", "int4"), "quantization",
+               'None, "int8" or "int4"', self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
                "quantization", 'None unless dtype is "float32" and device "cpu"',
                self.quantization)
+        _check(not self.batch_invariant or (self.dtype == "float32" and self.device == "cpu"
+                                            and self.attention_backend != "triton"
+                                            and self.cpu_decode_kernel != "sdpa"),
+               "batch_invariant", 'False unless dtype is "float32", device "cpu", '
+               'attention_backend not "triton" and cpu_decode_kernel not "sdpa"',
+               self.batch_invariant)
 
 
 @dataclass(frozen=True)

@@ -27,18 +27,21 @@ class LLM:
 
     Args:
         model: model path (None: the embedded default); device, attention_backend, dtype,
-        cpu_decode_kernel as for `conveyor serve`; num_kv_blocks, max_num_seqs, max_num_batched_tokens:
-        engine limits; loaded: a checkpoint already in memory.
+        cpu_decode_kernel, quantization (None, "int8", "int4"), batch_invariant as for
+        `conveyor serve`; num_kv_blocks, max_num_seqs, max_num_batched_tokens: engine limits;
+        loaded: a checkpoint already in memory.
     """
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  attention_backend: str = "auto", dtype: str = "float32",
-                 cpu_decode_kernel: str = "auto",
+                 cpu_decode_kernel: str = "auto", quantization: str | None = None,
+                 batch_invariant: bool = False,
                  num_kv_blocks: int | None = 1024, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, loaded: LoadedModel | None = None) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, device=device, attention_backend=attention_backend,
-                              dtype=dtype, cpu_decode_kernel=cpu_decode_kernel),
+                              dtype=dtype, cpu_decode_kernel=cpu_decode_kernel,
+                              quantization=quantization, batch_invariant=batch_invariant),
             cache=CacheConfig(num_kv_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),

@@ -1,0 +1,261 @@
+"""Kernel choice by measurement: for each linear shape class of the model and each row
+bucket, time every path of the mode that is available and correct here, keep the fastest.
+
+Why measure: the fastest int8 path differs by CPU by a factor of 50 (``torch._int_mm`` is
+fast with VNNI and 20-50x slower than fp32 without it; fbgemm needs 7-bit activations
+without VNNI; our C++ kernels win where weights stream from memory), and by row count
+(decode streams weights, a 512-token prefill chunk is compute-bound).
+
+- Row buckets: BUCKETS = 1, 16, 64, 512 rows; a call of M rows uses the nearest bucket on a
+  log scale (``bucket_index``). The LM head sees only sampling rows (at most
+  max_num_seqs), so its 512 bucket reuses the 64 choice instead of a 30-GFLOP timing.
+- Correct: a path's relative error against fp32 on 8 random rows through the layer's own
+  weight is within ``ERROR_BOUNDS[mode]`` (checked every start-up: it also catches a
+  broken build).
+- Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
+  timed over copies of the weight that together exceed the last-level cache (as a step
+  streams every layer), the median of a few rounds' mean per call.
+- Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
+  key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
+  count; a later start-up on the same machine reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from kernels import quant_linear_cpu as qlc
+from kernels.cpu_build import cache_dir, cpu_flags
+from service.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+from service.quantization.plan import BUCKETS, LinearPlan
+
+log = logging.getLogger(__name__)
+
+TIMING_VERSION = 1
+"""Bump when the timing method changes: old cached timings are then not reused."""
+LM_HEAD = "lm_head"
+CHECK_ROWS = 8
+
+Timer = Callable[[LinearPath, str, int, Callable[[], Sequence[Callable[[], object]]], float],
+                 float]
+"""(path, class name, rows, make_calls, give_up_ms) -> ms per call. make_calls builds the
+calls to time (one per weight copy); a fake timer for tests need not call it."""
+
+
+def relative_error(path: LinearPath, lw: LayerWeights, seed: int = 0) -> float:
+    """|y - y_fp32| / |y_fp32| (Frobenius) of `path` on CHECK_ROWS Gaussian rows; y_fp32
+    in float64. inf when the output is not finite."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(CHECK_ROWS, lw.weight.shape[1], generator=g)
+    ref = x.double() @ lw.weight.double().t()
+    if lw.bias is not None:
+        ref += lw.bias.double()
+    y = path.bind(lw)(x).double()
+    if not bool(torch.isfinite(y).all()):
+        return math.inf
+    return float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _llc_bytes() -> int:
+    """The last-level cache's size (Linux sysfs), 32 MiB when unknown."""
+    best = 0
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in root.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+                       if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    return best or 32 << 20
+
+
+def _weight_bytes(fn: object) -> int:
+    """Bytes of weight a bound path reads per call."""
+    packed = getattr(fn, "packed", None)
+    if packed is not None:
+        return int(packed.nbytes)
+    qweight = getattr(fn, "qweight", None)
+    if qweight is not None:
+        return qweight.numel()
+    weight = getattr(fn, "weight")
+    return weight.numel() * weight.element_size()
+
+
+def bound_copies(path: LinearPath, lw: LayerWeights,
+                 target_bytes: int | None = None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """`path` bound to copies of the weight on distinct memory (each bound layer's
+    ``clone()``), together about `target_bytes` (default: twice the last-level cache, at
+    least 64 MiB), 2 to 64 copies."""
+    target = target_bytes or max(64 << 20, 2 * _llc_bytes())
+    first = path.bind(lw)
+    n = max(2, min(64, -(-target // max(_weight_bytes(first), 1))))
+    return [first] + [first.clone() for _ in range(n - 1)]  # type: ignore[attr-defined]
+
+
+def measure_ms(calls: Sequence[Callable[[], object]], *, rounds: int = 3,
+               round_s: float = 0.01, give_up_ms: float = math.inf) -> float:
+    """The fastest call's ms over `rounds` rounds; a round runs through the calls in turn
+    (continuing where the last stopped) until all ran once or `round_s` passed. The
+    minimum, not the mean: on a shared machine a call whose OpenMP threads were
+    descheduled takes a scheduler quantum (milliseconds) longer, which says nothing about
+    the kernel; every copy is cold when its turn comes, so the minimum is not a cache hit. When the faster of the first two calls is slower than
+    give_up_ms, that is returned at once (a path far behind the best)."""
+    first = math.inf
+    for j in range(min(2, len(calls))):  # two, so that one descheduled call is not decisive
+        t = time.perf_counter()
+        calls[j]()
+        first = min(first, (time.perf_counter() - t) * 1e3)
+    if first > give_up_ms:
+        return first
+    times, i = [], 2
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(len(calls)):
+            t = time.perf_counter()
+            calls[i % len(calls)]()
+            i += 1
+            times.append(time.perf_counter() - t)
+            if t - start >= round_s:
+                break
+    return min(times) * 1e3
+
+
+def default_timer(path: LinearPath, cls: str, rows: int,
+                  make_calls: Callable[[], Sequence[Callable[[], object]]],
+                  give_up_ms: float = math.inf) -> float:
+    """``measure_ms`` of the calls (the path and class only label them)."""
+    return measure_ms(make_calls(), give_up_ms=give_up_ms)
+
+
+def cache_key() -> str:
+    """Hash of what the timings depend on: kernel source, CPU flags, torch, threads."""
+    parts = [qlc.SOURCE.read_bytes(), " ".join(sorted(cpu_flags())).encode(),
+             torch.__version__.encode(), str(torch.get_num_threads()).encode(),
+             str(TIMING_VERSION).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    return cache_dir() / f"linear-timings-{cache_key()}.json"
+
+
+def _load_cache() -> dict[str, float]:
+    try:
+        data = json.loads(_cache_path().read_text())
+        return {str(k): float(v) for k, v in data.get("timings_ms", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_cache(timings: Mapping[str, float]) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "timings_ms": dict(sorted(timings.items()))}, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("linear kernel timings not cached (%s): %s", path, e)
+
+
+def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
+         bound: float) -> str | None:
+    """The fastest path whose error is within bound; ties go to the earlier path.
+    None when no path is both timed and correct."""
+    ok = [(ms, i, name) for i, (name, ms) in enumerate(timings_ms.items())
+          if errors.get(name, math.inf) <= bound and math.isfinite(ms)]
+    return min(ok)[2] if ok else None
+
+
+def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+                paths: Sequence[LinearPath], mode: str, batch_invariant: bool, *,
+                timer: Timer | None = None, use_cache: bool = True,
+                int4_group: int | None = None) -> LinearPlan:
+    """Measure and choose a path per (shape class, row bucket).
+
+    Args:
+        layers: class name ("qkv", "o", "gate_up", "down", "lm_head") -> (weight [N, K]
+            float32, bias [N] or None) of one layer of that class.
+        paths: the candidates (``paths.candidates(mode, batch_invariant)``).
+        timer: measures a path (default: ``default_timer``); tests pass a fake.
+        use_cache: reuse and store timings in the per-machine cache.
+
+    Raises:
+        ValueError: no candidate can run here, or none is correct for some class.
+    """
+    problems = {p.name: p.problem() for p in paths}
+    usable = [p for p in paths if problems[p.name] is None]
+    if not usable:
+        raise ValueError(f"no linear kernel for quantization {mode!r}"
+                         f"{' (batch-invariant)' if batch_invariant else ''} runs here: "
+                         + "; ".join(f"{k}: {v}" for k, v in problems.items()))
+    cached = _load_cache() if use_cache else {}
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    busy = load > cpus + max(1.0, cpus / 2)  # our own model load counts too
+    timings = dict(cached)
+    bound = ERROR_BOUNDS[mode]
+    errors: dict[str, dict[str, float]] = {}
+    table: dict[str, list[dict[str, float]]] = {}
+    choices: dict[str, tuple[str, ...]] = {}
+    for cls, (weight, bias) in layers.items():
+        kw = {} if int4_group is None else {"int4_group": int4_group}
+        lw = LayerWeights(weight, bias, **kw)
+        errors[cls] = {p.name: relative_error(p, lw) for p in usable}
+        correct = [p for p in usable if errors[cls][p.name] <= bound]
+        if not correct:
+            raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
+                             f"{cls} {tuple(weight.shape)}: {errors[cls]}")
+        table[cls], picked = [], []
+        copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+        order = list(correct)
+        for b, rows in enumerate(BUCKETS):
+            if cls == LM_HEAD and b == len(BUCKETS) - 1:
+                table[cls].append(dict(table[cls][-1]))
+                picked.append(picked[-1])
+                continue
+            x = torch.randn(rows, weight.shape[1])
+            row: dict[str, float] = {}
+            for p in order:  # the last bucket's fastest first: losers give up early
+                key = (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
+                       f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
+                if key not in timings:
+                    def make(p: LinearPath = p, x: torch.Tensor = x) -> list[Callable[[], object]]:
+                        if p.name not in copies:
+                            copies[p.name] = bound_copies(p, lw)
+                        # compute-bound above 16 rows: two copies are enough
+                        fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
+                        return [lambda f=f: f(x) for f in fns]
+                    give_up = 4 * min(row.values(), default=math.inf)
+                    timings[key] = (timer or default_timer)(p, cls, rows, make, give_up)
+                row[p.name] = timings[key]
+            table[cls].append({p.name: row[p.name] for p in correct})
+            order.sort(key=lambda p: row[p.name])
+            choice = pick(table[cls][-1], errors[cls], bound)
+            assert choice is not None, f"{cls}: a correct path went untimed"
+            picked.append(choice)
+        copies.clear()
+        choices[cls] = tuple(picked)
+        del lw
+    if use_cache and timings != cached:
+        if busy:
+            log.warning("the machine was busy while linear kernels were timed (load average "
+                        "%.1f on %d CPUs): the choice may be off, and is not cached", load, cpus)
+        else:
+            _save_cache(timings)
+    return LinearPlan(mode, batch_invariant, choices, table, errors,
+                      {k: v for k, v in problems.items() if v is not None},
+                      int4_group=int4_group)
