@@ -7,9 +7,9 @@ Three formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
   [-127, 127], ``scale[n] = max|W[n, :]| / 127`` (round to nearest);
 - ``int4``: asymmetric per group of ``group`` input channels (GGUF's Q4_1 layout of a
-  block, Gerganov et al., ggml; RTN, "round to nearest", in the GPTQ paper's terms,
-  Frantar et al., ICLR 2023): ``W[n, k] ~= d[n, g] * q[n, k] + min[n, g]``, q in [0, 15],
-  g = k // group, ``min`` the group's minimum and ``d = (max - min) / 15``.
+  block, Gerganov et al., ggml): ``W[n, k] ~= d[n, g] * q[n, k] + min[n, g]``, q in
+  [0, 15], g = k // group; round-to-nearest over the group's range, then (d, min) refined
+  by least squares (``quantize_int4``).
 
 Layout (see ``kernels/csrc/quant_linear_cpu.cpp``): output channels padded to Np, a
 multiple of 64, in blocks of 64 channels stored k-major: the kernel loads 16 channels of one
@@ -111,13 +111,23 @@ def pack_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedW
                         None, _padded_bias(bias, _np(n)))
 
 
-def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                            torch.Tensor]:
-    """Asymmetric RTN int4 per group of `group` input channels.
+INT4_REFINE_STEPS = 2
+
+
+def quantize_int4(weight: torch.Tensor, group: int,
+                  refine_steps: int = INT4_REFINE_STEPS) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """Asymmetric int4 per group of `group` input channels.
+
+    Starts from round-to-nearest over the group's [min, max] and refines (d, min) by
+    alternating least squares, as llama.cpp's k-quants do (``make_qkx2_quants``): fit
+    ``w ~= d q + min`` to the current q by least squares, re-round q, keep the better; the
+    squared error never grows. A group already on a 4-bit grid (a GGUF Q4_1 block) stays
+    exact.
 
     Returns (q [N, K] uint8 in [0, 15], d [N, G] float32, minv [N, G] float32), G = ceil(K /
-    group), with ``weight[n, k] ~= d[n, k // group] * q[n, k] + minv[n, k // group]``, each
-    entry within d / 2 of the weight. A constant group gets d = 1 (q = 0, exact).
+    group), with ``weight[n, k] ~= d[n, k // group] * q[n, k] + minv[n, k // group]``. A
+    constant group gets d = 1 (q = 0, exact).
     """
     if group not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group}")
@@ -125,14 +135,36 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     n, k = w.shape
     groups = -(-k // group)
     pad = groups * group - k
-    lo = torch.nn.functional.pad(w, (0, pad), value=float("inf")).view(n, groups, group)
-    hi = torch.nn.functional.pad(w, (0, pad), value=float("-inf")).view(n, groups, group)
-    wmin, wmax = lo.amin(-1), hi.amax(-1)                             # [N, G]
-    d = (wmax - wmin) / 15.0
-    d = torch.where(d > 0, d, torch.ones_like(d))
-    g_of_k = torch.arange(k) // group
-    q = torch.round((w - wmin[:, g_of_k]) / d[:, g_of_k]).clamp_(0, 15).to(torch.uint8)
-    return q, d, wmin
+    wg = torch.nn.functional.pad(w, (0, pad)).view(n, groups, group)
+    valid = (torch.arange(groups * group) < k).view(1, groups, group).expand_as(wg)
+    lo = torch.where(valid, wg, torch.inf).amin(-1)                   # [N, G]
+    hi = torch.where(valid, wg, -torch.inf).amax(-1)
+    d = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+    m = lo
+
+    def assign(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.round((wg - m[..., None]) / d[..., None]).clamp_(0, 15)
+        err = torch.where(valid, (q * d[..., None] + m[..., None] - wg) ** 2, 0).sum(-1)
+        return q, err
+
+    q, err = assign(d, m)
+    cnt = valid.sum(-1).float()
+    for _ in range(refine_steps):
+        qv = torch.where(valid, q, 0)
+        sq, sqq = qv.sum(-1), (qv * qv).sum(-1)
+        sw, sqw = torch.where(valid, wg, 0).sum(-1), (qv * wg).sum(-1)
+        det = cnt * sqq - sq * sq
+        ok = det > 0
+        d_new = torch.where(ok, (cnt * sqw - sq * sw) / torch.where(ok, det, 1), d)
+        ok &= d_new > 0
+        d_new = torch.where(ok, d_new, d)
+        m_new = torch.where(ok, (sw - d_new * sq) / cnt, m)
+        q_new, err_new = assign(d_new, m_new)
+        better = err_new < err
+        d, m = torch.where(better, d_new, d), torch.where(better, m_new, m)
+        q, err = torch.where(better[..., None], q_new, q), torch.minimum(err, err_new)
+    q = q.reshape(n, groups * group)[:, :k].to(torch.uint8)
+    return q, d.float(), m.float()
 
 
 def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -262,14 +262,14 @@ class ModelRunner:
             log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "
                         "serving fp32", machine_note())
         smooth = plan.smoothed_classes()
-        observed = self._calibrate() if smooth else None
+        observed = self.calibrate() if smooth else None
         self.model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
         self.linear_plan = plan
         log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
                  ", ".join(sorted(smooth)) or "none")
 
     @torch.inference_mode()
-    def _calibrate(self) -> list:
+    def calibrate(self) -> list:
         """Per-layer AmaxObservers after a dense forward over `calibration_token_ids`, in
         chunks of 512, using the empty cache's first blocks as scratch (zeroed after)."""
         ids = calibration_token_ids(self.tokenizer)

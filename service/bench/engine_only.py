@@ -40,6 +40,7 @@ from service.detokenizer import IncrementalDetokenizer
 from service.loader import LoadedModel, load_model
 from service.model import SectionTimer
 from service.model_runner import ModelRunner
+from service.quantization.paths import machine_note
 from service.request import Request
 from service.scheduler import Scheduler
 
@@ -227,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="none", metavar="LIST",
-                   help="comma-separated variants among none, int8 (e.g. none,int8)")
+                   help="comma-separated variants among none, int8, int4 (e.g. none,int8,int4)")
+    p.add_argument("--batch-invariant", default="off", metavar="LIST",
+                   help="comma-separated variants among off, on (e.g. off,on to measure what "
+                        "--batch-invariant costs)")
     p.add_argument("--cpu-decode-kernel", default="auto", metavar="LIST",
                    help="comma-separated decode attention kernels among auto, cpp, sdpa "
                         "(e.g. cpp,sdpa to compare them side by side)")
@@ -262,13 +266,13 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str]],
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str, bool]],
                                           list[int], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
     for q in a.quantization.split(","):
-        if q.strip() not in ("none", "int8"):
-            raise ValueError(f"--quantization values must be none or int8, got {q!r}")
+        if q.strip() not in ("none", "int8", "int4"):
+            raise ValueError(f"--quantization values must be none, int8 or int4, got {q!r}")
         quants.append(None if q.strip() == "none" else q.strip())
     kernels = [k.strip() for k in a.cpu_decode_kernel.split(",")]
     if any(k not in ("auto", "cpp", "sdpa") for k in kernels) or len(set(kernels)) < len(kernels):
@@ -276,7 +280,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
                          f"got {a.cpu_decode_kernel!r}")
     if "auto" in kernels and len(kernels) > 1:  # auto is cpp or sdpa: it would repeat one
         raise ValueError("--cpu-decode-kernel auto cannot be listed with cpp or sdpa")
-    models = [(q, k) for q in quants for k in kernels]
+    invariant = [b.strip() for b in a.batch_invariant.split(",")]
+    if any(b not in ("off", "on") for b in invariant) or len(set(invariant)) < len(invariant):
+        raise ValueError(f"--batch-invariant values must be distinct among off, on, got "
+                         f"{a.batch_invariant!r}")
+    models = [(q, k, b == "on") for q in quants for k in kernels for b in invariant]
     threads = _int_list(a.threads, "threads") if a.threads else [len(os.sched_getaffinity(0))]
     for name in ("context", "steps", "prefill_steps", "rounds"):
         if getattr(a, name) < 1:
@@ -318,21 +326,22 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = _text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[tuple[str | None, str], ModelRunner] = {}
-    for q, k in models:
-        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k),
+    runners: dict[tuple[str | None, str, bool], ModelRunner] = {}
+    for q, k, bi in models:
+        cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
+                                             batch_invariant=bi),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
-        runners[(q, k)] = ModelRunner(cfg, loaded)
+        runners[(q, k, bi)] = ModelRunner(cfg, loaded)
 
-    def label(m: tuple[str | None, str], t: int) -> str:
+    def label(m: tuple[str | None, str, bool], t: int) -> str:
         # e.g. "int8/cpp/2t"; the kernel is the one the runner resolved "auto" to
-        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}t"
+        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}/{t}t"
 
     stats: dict[str, dict[str, list[RunStats]]] = {sc.name: {label(*v): [] for v in variants}
                                                    for sc in scenarios}
     for sc in scenarios:
-        live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
+        live: dict[tuple[str | None, str, bool], _DecodeRun | _PrefillRun] = {}
         for m in models:
             torch.set_num_threads(threads[0])
             live[m] = (_DecodeRun(runners[m], tokens, sc, a.steps * len(threads), a.rounds,
@@ -349,13 +358,23 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
                for name, by_v in stats.items()}
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(),
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "isa": machine_note(),
                     "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "linear_paths_env": os.environ.get("CONVEYOR_LINEAR_PATHS"),
+        "linear_kernels": {label(m, threads[0]): (runners[m].linear_plan.summary()
+                                                  if runners[m].linear_plan else "fp32 F.linear")
+                           for m in models},
         "results": results,
     }
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
-          f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores")
+          f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores; "
+          f"{torch.backends.cpu.get_cpu_capability()}; {machine_note()}")
+    for m in models:
+        if runners[m].linear_plan is not None:
+            print(f"{label(m, threads[0])}: {runners[m].linear_plan.summary()}")
     print(_format(results))
     print("tok/s, steps/s, ms/step: median over rounds of each round's median step; "
           "sections: mean ms per step")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,11 +36,13 @@ the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit w
 exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
 measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
 ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2}
-"""Largest relative error ``|y - y_fp32| / |y_fp32|`` (Frobenius norm, 8 random Gaussian
-rows through the model's own weight) a path of each mode may show to be chosen. On
-SmolLM2-135M (AVX-512 VNNI): int8 weights per channel 0.008-0.013, fbgemm 0.011-0.016,
-int_mm 0.011-0.015; without VNNI fbgemm's 7-bit activations add to that, and fbgemm without
-reduce_range there saturates (0.07-0.18): refused. int4: see INT4_GROUP."""
+"""Largest relative error ``|y - y_fp32| / |y_fp32|`` (``choice.relative_errors``: random
+rows with an outlier token, through the model's own weight) a path of each mode may show to
+be chosen. On SmolLM2-135M (AVX-512 VNNI), Gaussian rows: int8 weights per channel
+0.008-0.013, fbgemm 0.011-0.016, int_mm 0.011-0.015; fbgemm without VNNI needs 7-bit
+activations, and without reduce_range there saturates (0.07-0.18): refused. With an outlier
+token in the call fbgemm's per-tensor range is refused too (it serves one-row calls only).
+int4: see INT4_GROUP."""
 
 
 class CppLinear:
@@ -185,10 +188,23 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
     kernels of the mode's format, fp32 for "none"), so that a row's output is the same
     bits whatever else shares the step.
 
-    Raises ValueError for an unknown mode.
+    ``$CONVEYOR_LINEAR_PATHS`` (a comma list of path names), when set, keeps only those
+    (e.g. ``fp32,cpp-int8-avx2`` to see what an AVX2-only CPU's kernels give here).
+
+    Raises ValueError for an unknown mode, or an unknown name in $CONVEYOR_LINEAR_PATHS.
     """
     if mode not in MODES:
         raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
+    only = [n.strip() for n in os.environ.get("CONVEYOR_LINEAR_PATHS", "").split(",") if n.strip()]
+    unknown = [n for n in only if n not in PATHS]
+    if unknown:
+        raise ValueError(f"CONVEYOR_LINEAR_PATHS names unknown paths {unknown}; "
+                         f"known: {', '.join(PATHS)}")
+    found = _candidates(mode, batch_invariant)
+    return [p for p in found if p.name in only] if only else found
+
+
+def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
     if batch_invariant:
         fmt = "f32" if mode == "none" else mode
         return [p for p in PATHS.values() if p.name.startswith(f"cpp-{fmt}-")]

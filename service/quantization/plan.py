@@ -58,7 +58,8 @@ class LinearPlan:
 
     choices: class -> one path name per BUCKETS entry.
     timings_ms: class -> per bucket, path -> measured ms per call (correct paths only).
-    errors: class -> path -> relative error vs fp32 (``choice.relative_error``).
+    errors: class -> path -> relative error vs fp32 in one-row calls and in 8-row calls
+        (``choice.relative_errors``).
     unavailable: path -> why it cannot run here.
     """
 
@@ -66,7 +67,7 @@ class LinearPlan:
     batch_invariant: bool
     choices: Mapping[str, tuple[str, ...]]
     timings_ms: Mapping[str, list[dict[str, float]]] = field(default_factory=dict)
-    errors: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    errors: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
     unavailable: Mapping[str, str] = field(default_factory=dict)
     int4_group: int | None = None
 
@@ -111,8 +112,8 @@ class LinearPlan:
                 cells = " ".join(f"{'*' if name == self.choices[cls][b] else ''}{name} {ms:.3f}"
                                  for name, ms in row.items())
                 lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: {cells}")
-            lines.append(f"  {cls:<8} error vs fp32: "
-                         + " ".join(f"{n} {e:.4f}" for n, e in errs.items()))
+            lines.append(f"  {cls:<8} error vs fp32 (1 row / 8 rows): "
+                         + " ".join(f"{n} {e1:.4f}/{e8:.4f}" for n, (e1, e8) in errs.items()))
         for name, why in self.unavailable.items():
             lines.append(f"  not available: {name}: {why}")
         return "\n".join(lines)
