@@ -4,7 +4,7 @@ At one to a few rows a decode step's linear layers stream every weight from memo
 weights that are 4 or 8 times smaller and dequantized on the fly in registers (llama.cpp's
 approach) are the classic win; at hundreds of rows the product is compute-bound and
 ``dequantize`` + ``F.linear`` (MKL) may serve better. Which is faster on a machine is
-measured, never assumed (``service.quantization.choice``).
+measured, never assumed (``service.worker.quantization.choice``).
 
 Source: ``kernels/csrc/quant_linear_cpu.cpp``, built by ``kernels.cpu_build`` in two
 variants with explicit flags: ``avx512`` (AVX-512 F/BW/VL/DQ) and ``avx2`` (AVX2 + FMA); a

@@ -1,86 +1,57 @@
 """Conveyor's wire protocol (PROTOCOL.md) and its asyncio Python client.
 
-Pure: nothing here imports the server (`service/`) or the kernels.
+Pure: nothing here imports the server (`service/`) or the kernels. A lazy face:
+`protocol.messages`, `protocol.errors` and `protocol.codec` need only msgspec;
+the client (`protocol.client`, websockets) loads on first use of `connect`,
+`Client` or `Stream`.
 """
 
 from __future__ import annotations
 
-from protocol.client import Client, Stream, connect
-from protocol.codec import decode_client_frame, decode_server_frame, encode
-from protocol.errors import (
-    ClientConnectionClosed,
-    ContextLengthExceeded,
-    DuplicateId,
-    InternalError,
-    InvalidRequest,
-    Overloaded,
-    ProtocolError,
-    ShuttingDown,
-    TooManyRequests,
-    Unauthorized,
-    error_from_frame,
-)
-from protocol.messages import (
-    MAX_ID_LENGTH,
-    MAX_STOP_STRINGS,
-    PROTOCOL_VERSION,
-    Accepted,
-    Cancel,
-    ChatMessage,
-    ClientMessage,
-    Delta,
-    Done,
-    Error,
-    ErrorCode,
-    FinishReason,
-    Generate,
-    Hello,
-    Ping,
-    Pong,
-    RequestId,
-    SamplingParams,
-    ServerMessage,
-    Timings,
-    Usage,
-)
+from protocol._lazy import lazy_face
 
-__all__ = [
-    "MAX_ID_LENGTH",
-    "MAX_STOP_STRINGS",
-    "PROTOCOL_VERSION",
-    "Accepted",
-    "Cancel",
-    "ChatMessage",
-    "Client",
-    "ClientConnectionClosed",
-    "ClientMessage",
-    "ContextLengthExceeded",
-    "Delta",
-    "Done",
-    "DuplicateId",
-    "Error",
-    "ErrorCode",
-    "FinishReason",
-    "Generate",
-    "Hello",
-    "InternalError",
-    "InvalidRequest",
-    "Overloaded",
-    "Ping",
-    "Pong",
-    "ProtocolError",
-    "RequestId",
-    "SamplingParams",
-    "ServerMessage",
-    "ShuttingDown",
-    "Stream",
-    "Timings",
-    "TooManyRequests",
-    "Unauthorized",
-    "Usage",
-    "connect",
-    "decode_client_frame",
-    "decode_server_frame",
-    "encode",
-    "error_from_frame",
-]
+_EXPORTS = {
+    'Accepted': 'protocol.messages',
+    'Cancel': 'protocol.messages',
+    'ChatMessage': 'protocol.messages',
+    'Client': 'protocol.client',
+    'ClientConnectionClosed': 'protocol.errors',
+    'ClientMessage': 'protocol.messages',
+    'ContextLengthExceeded': 'protocol.errors',
+    'Delta': 'protocol.messages',
+    'Done': 'protocol.messages',
+    'DuplicateId': 'protocol.errors',
+    'Error': 'protocol.messages',
+    'ErrorCode': 'protocol.messages',
+    'FinishReason': 'protocol.messages',
+    'Generate': 'protocol.messages',
+    'Hello': 'protocol.messages',
+    'InternalError': 'protocol.errors',
+    'InvalidRequest': 'protocol.errors',
+    'MAX_ID_LENGTH': 'protocol.messages',
+    'MAX_STOP_STRINGS': 'protocol.messages',
+    'Overloaded': 'protocol.errors',
+    'PROTOCOL_VERSION': 'protocol.messages',
+    'Ping': 'protocol.messages',
+    'Pong': 'protocol.messages',
+    'ProtocolError': 'protocol.errors',
+    'RequestId': 'protocol.messages',
+    'SamplingParams': 'protocol.messages',
+    'ServerMessage': 'protocol.messages',
+    'ShuttingDown': 'protocol.errors',
+    'Stream': 'protocol.client',
+    'Timings': 'protocol.messages',
+    'TooManyRequests': 'protocol.errors',
+    'Unauthorized': 'protocol.errors',
+    'Usage': 'protocol.messages',
+    'connect': 'protocol.client',
+    'decode_client_frame': 'protocol.codec',
+    'decode_server_frame': 'protocol.codec',
+    'encode': 'protocol.codec',
+    'error_from_frame': 'protocol.errors',
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

@@ -29,6 +29,17 @@ PROTOCOL_VERSION = 1
 
 MAX_ID_LENGTH = 128
 MAX_STOP_STRINGS = 8
+MAX_STOP_TOKEN_IDS = 256
+
+# Integer and float ranges (issue 14): every number that reaches the engine's
+# arithmetic (policies, sampler, generators) is bounded here, at the boundary.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEMPERATURE = 100.0
+MAX_TTFT_SLO_MS = 1e9
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+"""A token id as the wire carries it: 0 to 2**31 - 1 (the server checks it against the
+vocabulary)."""
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 """A client-chosen request id: 1 to 128 characters (code points)."""
@@ -54,33 +65,41 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     ranges are those of PROTOCOL.md's params table; a JSON decode enforces the
     ranges (`Meta`), direct construction does not.
 
+    Every number is range-checked (NaN and infinities never pass), so nothing a
+    client sends can overflow the engine's policy or sampler arithmetic:
+
     Fields:
-        max_tokens: int >= 1, most tokens to generate (default 256).
-        temperature: float >= 0, 0 means greedy (default 1.0).
+        max_tokens: int in [1, 2**31 - 1], most tokens to generate (default 256).
+        temperature: float in [0, 100], 0 means greedy (default 1.0).
         top_p: float in (0, 1], nucleus sampling (default 1.0 = off).
-        top_k: int >= 0, 0 means off.
+        top_k: int in [0, 2**31 - 1], 0 means off.
         min_p: float in [0, 1], 0 means off.
-        seed: int or None; the same seed, prompt and params give the same output.
+        seed: int in [-2**63, 2**63 - 1] (64-bit) or None; the same seed, prompt and
+            params give the same output.
         stop: at most 8 non-empty strings; generation ends before the first one.
-        stop_token_ids: token ids (>= 0) that end generation besides EOS.
+        stop_token_ids: at most 256 token ids in [0, 2**31 - 1] that end generation
+            besides EOS. Like EOS, the stop token itself is not part of the completion:
+            its text is not sent, its id is not in `token_ids`, and it does not count
+            in `usage.completion_tokens` (vLLM's default for the text).
         ignore_eos: keep generating past EOS until `max_tokens`.
-        priority: lower is served first (the vLLM convention).
-        ttft_slo_ms: float > 0 or None, target time to first token in ms.
+        priority: int in [-2**63, 2**63 - 1] (64-bit); lower is served first (the
+            vLLM convention).
+        ttft_slo_ms: float in (0, 1e9] or None, target time to first token in ms.
     """
 
-    max_tokens: Annotated[int, Meta(ge=1)] = 256
-    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 256
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=0)] = 0
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: Annotated[
         tuple[Annotated[str, Meta(min_length=1)], ...], Meta(max_length=MAX_STOP_STRINGS)
     ] = ()
-    stop_token_ids: tuple[Annotated[int, Meta(ge=0)], ...] = ()
+    stop_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False
-    priority: int = 0
-    ttft_slo_ms: Annotated[float, Meta(gt=0.0)] | None = None
+    priority: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
+    ttft_slo_ms: Annotated[float, Meta(gt=0.0, le=MAX_TTFT_SLO_MS)] | None = None
 
 
 class ChatMessage(Struct, frozen=True):
@@ -109,7 +128,7 @@ class Generate(_Frame, tag="generate", omit_defaults=True):
     id: RequestId
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     prompt: str | None = None
-    prompt_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = SamplingParams()
 
     def __post_init__(self) -> None:
@@ -229,6 +248,7 @@ ServerMessage = Union[Hello, Pong, Accepted, Delta, Done, Error]
 __all__ = [
     "MAX_ID_LENGTH",
     "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
     "PROTOCOL_VERSION",
     "Accepted",
     "Cancel",

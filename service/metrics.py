@@ -26,10 +26,11 @@ they can never drift from it: never negative, never above their bound.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from service.core.engine_core import CoreStats
 
 PREFIX = "conveyor:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -37,20 +38,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-@dataclass(frozen=True)
-class EngineState:
-    """A snapshot of what the gauges show (read at scrape time)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    prefix_queries: int
-    prefix_hits: int
-    preemptions: int
-
-
 class _StateCollector:
-    def __init__(self, read: Callable[[], EngineState | None], labels: dict[str, str]) -> None:
+    def __init__(self, read: Callable[[], CoreStats | None], labels: dict[str, str]) -> None:
         self._read = read
         self._labels = labels
 
@@ -110,10 +99,10 @@ class EngineMetrics:
                                           buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.connections = Gauge(PREFIX + "websocket_connections", "Open WebSocket connections.",
                                  lab, registry=r).labels(model_name)
-        self._state_reader: Callable[[], EngineState | None] = lambda: None
+        self._state_reader: Callable[[], CoreStats | None] = lambda: None
         r.register(_StateCollector(lambda: self._state_reader(), self._labels))
 
-    def read_state_from(self, reader: Callable[[], EngineState | None]) -> None:
+    def read_state_from(self, reader: Callable[[], CoreStats | None]) -> None:
         """Where the scrape-time gauges come from (the engine installs its reader)."""
         self._state_reader = reader
 

@@ -2,7 +2,9 @@
 
     ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md)
     GET /                      the built-in chat page (service/static/chat.html)
-    GET /health                200 {"status": "ok"} when ready, 503 otherwise (never guarded)
+    GET /health                200 {"status": "ok"} when serving; 503 {"status": "unavailable",
+                               "reason": ...} while loading or draining, when the step loop
+                               died or one step has run too long (never guarded)
     GET /metrics               Prometheus text format (service/metrics.py)
 
 Every route but /health is guarded before the upgrade (service/auth.py): a browser
@@ -128,11 +130,12 @@ class ConveyorServer:
     def _http(self, conn: ServerConnection, request: Request) -> Response | None:
         path, _, query = request.path.partition("?")
         if path == "/health":
-            if self.engine.ready and self.engine.accepting:
+            ok, why = self.engine.health()
+            if ok:
                 return _json_response(conn, http.HTTPStatus.OK,
                                       {"status": "ok", "model": self.engine.model_name})
             return _json_response(conn, http.HTTPStatus.SERVICE_UNAVAILABLE,
-                                  {"status": "unavailable"})
+                                  {"status": "unavailable", "reason": why})
         refused = self._refuse(conn, request, path, query)
         if refused is not None:
             return refused

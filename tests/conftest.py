@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def loaded_model():
     """SmolLM2-135M-Instruct (fp32, CPU) through our loader: config, tokenizer, weights."""
-    from service.loader import load_model
+    from service.worker.loader import load_model
 
     return load_model(None, torch.float32)
 
@@ -26,7 +26,7 @@ def hf_model():
     """The transformers implementation of the same checkpoint: the test oracle."""
     from transformers import AutoModelForCausalLM
 
-    from service.loader import _source, default_model_path
+    from service.worker.loader import _source, default_model_path
 
     folder, kw = _source(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)

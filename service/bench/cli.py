@@ -40,7 +40,7 @@ from service.bench.runner import run_server
 from service.bench.server_process import ServerProcess
 from service.bench.tokenizer import load_tokenizer
 from service.bench.workloads import WORKLOADS, build_workload
-from service.cli import add_engine_args
+from service.engine_args import add_engine_args
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from service.cli import add_engine_args
+from service.engine_args import add_engine_args
 from service.cli import build_parser as serve_parser
 
 

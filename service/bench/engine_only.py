@@ -3,9 +3,9 @@
     python -m service.bench.engine_only                       # fp32, decode 1/16/64, prefill 512
     python -m service.bench.engine_only --quantization none,int8 --rounds 3 --json out.json
 
-Drives the scheduler, the model runner and the detokenizer the way the engine's
-step loop does (schedule -> execute -> update_from_output -> detokenize and encode
-each request's delta frame), synchronously, in one thread. Scenarios:
+Drives EngineCore.step (schedule -> execute -> update -> stop checks) and the
+detokenizer the way the engine's step loop does (then detokenize and encode each
+request's delta frame), synchronously, in one thread. Scenarios:
 
 - decode-N: N running sequences, each with a context of about --context tokens,
   one token each per step (their prompts are prefilled first, untimed);
@@ -34,15 +34,14 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import Delta, SamplingParams, encode
-from service.block_pool import KVBlockPool
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.detokenizer import IncrementalDetokenizer
-from service.loader import LoadedModel, load_model
-from service.model import SectionTimer
-from service.model_runner import ModelRunner
-from service.quantization.paths import machine_note
-from service.request import Request
-from service.scheduler import Scheduler
+from service.worker.loader import LoadedModel, load_model
+from service.worker.model import SectionTimer
+from service.worker.model_runner import ModelRunner
+from service.worker.quantization.paths import machine_note
+from service.core.engine_core import EngineCore
+from service.core.request import Request
 
 SECTIONS = ("schedule", "build_batch", "linear", "attention", "other", "sample", "update",
             "detokenize+stream")
@@ -72,18 +71,19 @@ class RunStats:
 
 
 class _Workload:
-    """A scheduler over one runner's cache, real-text prompts, a detokenizer per request."""
+    """An EngineCore over one runner's cache, real-text prompts, a detokenizer per request."""
 
     def __init__(self, runner: ModelRunner, tokens: list[int], max_num_seqs: int,
                  token_budget: int = 512) -> None:
         self.runner = runner
         self.tokens = tokens
-        pool = KVBlockPool(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget)
         # The cache is sized for the scenario: no watermark may hold back or preempt anyone.
-        cache = CacheConfig(kv_watermark_low=1.0, kv_watermark_high=1.0,
-                            kv_watermark_critical=1.0)
-        self.sched = Scheduler(config, pool, runner.max_model_len, cache=cache)
+        cache = CacheConfig(block_size=runner.block_size, num_kv_blocks=runner.num_blocks,
+                            enable_prefix_caching=False, kv_watermark_low=1.0,
+                            kv_watermark_high=1.0, kv_watermark_critical=1.0)
+        self.core = EngineCore(EngineConfig(cache=cache, scheduler=config), runner)
+        self.sched = self.core.scheduler
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._next = 0
 
@@ -92,53 +92,44 @@ class _Workload:
         start = (self._next * 997) % max(1, len(self.tokens) - prompt_len)
         ids = self.tokens[start:start + prompt_len]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        req = Request(f"bench-{self._next}", ids, params, self.runner.loaded.eos_token_ids)
+        req = Request(f"bench-{self._next}", ids, params, self.runner.eos_token_ids)
         self._next += 1
-        self.sched.add_request(req)
+        self.core.add_request(req)
         self.detoks[req.request_id] = IncrementalDetokenizer(self.runner.tokenizer, ids)
         return req
 
     def step(self, stats: RunStats | None) -> int:
-        """One engine iteration; with stats, its sections are recorded. Returns the
-        number of sequences scheduled."""
+        """One engine iteration (EngineCore.step) plus what the front does with its
+        outputs; with stats, its sections are recorded. Returns the tokens it ran."""
         timer = SectionTimer(self.runner.device) if stats is not None else None
         self.runner.timer = timer
         t0 = time.perf_counter()
-        out = self.sched.schedule()
-        t1 = time.perf_counter()
-        sampled = self.runner.execute(out)
-        t2 = time.perf_counter()
-        got = self.sched.update_from_output(out, sampled)
-        finished = []
-        for req in got:
-            reason = req.check_stop(self.runner.max_model_len)
-            if reason is not None:
-                finished.append(req)
+        outputs = self.core.step()
         t3 = time.perf_counter()
-        for req in got:  # what the engine does per new token: text delta, one JSON frame
-            text = self.detoks[req.request_id].step(req.output_token_ids[-1:]).text
-            encode(Delta(id=req.request_id, index=len(req.output_token_ids) - 1, text=text,
-                         token_ids=req.output_token_ids[-1:]))
+        for out in outputs:  # what the front does per new token: text delta, one JSON frame
+            detok = self.detoks[out.request_id]
+            text = detok.step(out.new_token_ids).text
+            encode(Delta(id=out.request_id, index=0, text=text, token_ids=out.new_token_ids))
+            if out.finish_reason is not None:
+                del self.detoks[out.request_id]
         t4 = time.perf_counter()
-        for req in finished:
-            self.sched.finish_request(req.request_id, "length")
-            del self.detoks[req.request_id]
         self.runner.timer = None
         if stats is not None and timer is not None:
             sec = stats.sections
-            sec["schedule"].append(t1 - t0)
+            times = self.core.last_step_times
+            sec["schedule"].append(times.schedule)
             for name in ("build_batch", "linear", "attention", "other", "sample"):
                 sec[name].append(timer.seconds.get(name, 0.0))
-            sec["update"].append(t3 - t2)
+            sec["update"].append(times.update)
             sec["detokenize+stream"].append(t4 - t3)
             stats.totals.append(t4 - t0)
-        return len(out.sequences)
+        return self.core.last_num_batched_tokens
 
     def finish_all(self) -> None:
         for rid in list(self.sched.requests):
-            self.sched.finish_request(rid, "cancelled")
+            self.core.abort(rid)
         self.detoks.clear()
-        self.sched.check_integrity()
+        self.core.check_integrity()
 
 
 class _DecodeRun:
@@ -187,7 +178,7 @@ class _PrefillRun:
         stats = RunStats(self.context)
         for _ in range(steps):
             self.wl.add(self.context, 1)
-            if self.wl.step(stats) != 1 or self.wl.sched.has_unfinished():
+            if self.wl.step(stats) != self.context or self.wl.sched.has_unfinished():
                 raise RuntimeError("a prefill step did not run the whole prompt")
         return stats
 

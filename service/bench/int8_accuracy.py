@@ -27,13 +27,11 @@ from collections.abc import Sequence
 import torch
 
 from protocol import SamplingParams
-from service.block_pool import KVBlockPool
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from service.loader import LoadedModel, load_model
-from service.model_runner import ModelRunner
-from service.request import Request
-from service.scheduler import Scheduler
-from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.worker.loader import LoadedModel, load_model
+from service.worker.model_runner import ModelRunner
+from service.llm import LLM
+from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 def make_runner(loaded: LoadedModel, quantization: str | None,
@@ -47,19 +45,11 @@ def make_runner(loaded: LoadedModel, quantization: str | None,
 
 def greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Greedy completions (exactly max_tokens each, EOS ignored), all prompts batched."""
-    pool = KVBlockPool(runner.num_blocks, runner.block_size)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=512),
-                      pool, runner.max_model_len)
+    config = EngineConfig(cache=CacheConfig(num_kv_blocks=runner.num_blocks, swap_space=0),
+                          scheduler=SchedulerConfig(max_num_seqs=len(prompts),
+                                                    max_num_batched_tokens=512))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    reqs = [Request(f"p{i}", list(p), params, frozenset()) for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_unfinished():
-        out = sched.schedule()
-        for req in sched.update_from_output(out, runner.execute(out)):
-            if req.check_stop(runner.max_model_len) is not None:
-                sched.finish_request(req.request_id, "length")
-    return [r.output_token_ids for r in reqs]
+    return LLM(config=config, runner=runner).generate(prompts, params)
 
 
 @torch.inference_mode()
@@ -73,7 +63,7 @@ def all_logits(runner: ModelRunner, token_ids: Sequence[int], chunk: int = 256) 
     rows = []
     for start in range(0, len(token_ids), chunk):
         ids = list(token_ids[start:start + chunk])
-        seq = ScheduledSequence("text", ids, start, blocks, True, SamplingParams(), None)
+        seq = ScheduledSequence("text", ids, start, blocks, True, SamplingParams())
         input_ids, positions, meta, _ = runner.prepare_inputs(SchedulerOutput([seq], len(ids)))
         every_row = torch.arange(len(ids), device=runner.device)
         rows.append(runner.model.forward(input_ids, positions, meta, runner.kv_caches, every_row))
@@ -120,7 +110,7 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
 
     from kernels.cpu_build import cpu_flags
     from service.bench.texts import PASSAGES
-    from service.quantization.paths import machine_note
+    from service.worker.quantization.paths import machine_note
 
     fp32, quant = make_runner(loaded, None), make_runner(loaded, mode)
     plan = quant.linear_plan

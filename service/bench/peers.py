@@ -12,7 +12,7 @@ from service.bench.hf_continuous import run_hf_continuous
 from service.bench.hf_static import run_hf_static
 from service.bench.plan import LoadPlan
 from service.bench.record import RequestRecord
-from service.loader import default_model_path
+from service.worker.loader import default_model_path
 
 PEERS = ("hf-static", "hf-continuous")
 

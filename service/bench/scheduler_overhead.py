@@ -2,11 +2,11 @@
 
     python -m service.bench.scheduler_overhead --num-seqs 256 --context 300 --steps 50
 
-The real Scheduler and KVBlockPool (prefix caching on) run N decoding requests;
-a fake runner "samples" a fixed token for every sequence instantly, so what is timed
-is what the engine adds to every step besides the forward: `schedule()`, then
-`update_from_output` plus the stop checks and finishing (the engine's output
-processing). The issue's budget: both together under 3% of a 15 ms step (0.45 ms).
+The real EngineCore (scheduler, KVBlockPool with prefix caching on) runs N
+decoding requests; a NullRunner "samples" a fixed token for every sequence
+instantly, so what is timed is what the engine adds to every step besides the
+forward: `schedule()`, then `update_from_output` plus the stop checks and
+finishing (EngineCore.step's own phases). The issue's budget: both together under 3% of a 15 ms step (0.45 ms).
 """
 
 from __future__ import annotations
@@ -14,38 +14,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 from protocol import SamplingParams
-from service.block_pool import KVBlockPool
-from service.config import CacheConfig, SchedulerConfig
-from service.request import Request
-from service.scheduler import Scheduler
-from service.scheduler_output import SchedulerOutput
+from service.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from service.core.engine_core import EngineCore
+from service.core.null_runner import NullRunner
+from service.core.request import Request
 
 REFERENCE_STEP_MS = 15.0
-
-
-class FakeRunner:
-    """Stands in for ModelRunner.execute: token `token_id` for every sampling sequence."""
-
-    def __init__(self, token_id: int = 42) -> None:
-        self.token_id = token_id
-        self.steps = 0
-        self.tokens = 0
-
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        self.steps += 1
-        self.tokens += out.num_batched_tokens
-        return {s.request_id: self.token_id for s in out.sequences if s.sample}
 
 
 def measure(num_seqs: int, context: int, steps: int, *, block_size: int = 16,
             warmup: int = 5) -> dict[str, float]:
     """Run `num_seqs` requests with `context`-token prompts to steady decoding, then time
-    `steps` decode steps. Returns medians in ms: schedule_ms, update_ms, total_ms, the
-    share of a 15 ms step (percent_of_15ms), and how many sequences each step ran.
+    `steps` decode steps of EngineCore.step(). Returns medians in ms: schedule_ms,
+    update_ms (update_from_output, stop checks, finishing), total_ms, the share of a
+    15 ms step (percent_of_15ms).
 
     Raises ValueError for non-positive arguments; RuntimeError if a measured step did not
     run every sequence (the setup is sized so that it always does).
@@ -56,42 +41,32 @@ def measure(num_seqs: int, context: int, steps: int, *, block_size: int = 16,
             raise ValueError(f"{name} must be >= 1, got {v}")
     total_tokens = context + steps + warmup + num_seqs * context // 256 + 16
     num_blocks = num_seqs * -(-total_tokens // block_size) + 8
-    pool = KVBlockPool(num_blocks, block_size, enable_prefix_caching=True)
     cache = CacheConfig(block_size=block_size, kv_watermark_low=1.0, kv_watermark_high=1.0,
                         kv_watermark_critical=1.0)
     config = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(512, num_seqs))
-    sched = Scheduler(config, pool, max_model_len=total_tokens + 1, cache=cache)
-    runner = FakeRunner()
+    runner = NullRunner(num_blocks, max_model_len=total_tokens + 1)
+    core = EngineCore(EngineConfig(cache=cache, scheduler=config), runner)
     params = SamplingParams(temperature=0.0, max_tokens=total_tokens - context, ignore_eos=True)
+    reqs = []
     for i in range(num_seqs):  # distinct prompts: no prefix sharing
         prompt = [(i * 7919 + j) % 49000 + 1 for j in range(context)]
-        sched.add_request(Request(f"r{i}", prompt, params, frozenset({0})))
-
-    def step() -> tuple[float, float, int]:
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        sampled = runner.execute(out)
-        t2 = time.perf_counter()
-        for req in sched.update_from_output(out, sampled):
-            reason = req.check_stop(sched.max_model_len)
-            if reason is not None:
-                sched.finish_request(req.request_id, reason)
-        t3 = time.perf_counter()
-        return t1 - t0, t3 - t2, len(out.sequences)
-
-    while any(not r.output_token_ids for r in sched.requests.values()):
-        step()  # prefill
+        reqs.append(Request(f"r{i}", prompt, params, frozenset({0})))
+        core.add_request(reqs[-1])
+    while any(not r.output_token_ids for r in reqs):
+        core.step()  # prefill
     for _ in range(warmup):
-        step()
+        core.step()
     sched_s, update_s = [], []
     for _ in range(steps):
-        s, u, n = step()
+        before = runner.tokens
+        core.step()
+        n = runner.tokens - before
         if n != num_seqs:
             raise RuntimeError(f"a measured step ran {n} of {num_seqs} sequences")
-        sched_s.append(s)
-        update_s.append(u)
-    sched.check_integrity()
+        times = core.last_step_times
+        sched_s.append(times.schedule)
+        update_s.append(times.update)
+    core.check_integrity()
     schedule_ms = 1e3 * statistics.median(sched_s)
     update_ms = 1e3 * statistics.median(update_s)
     total = schedule_ms + update_ms

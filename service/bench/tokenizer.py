@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.loader import default_model_path
+from service.worker.loader import default_model_path
 
 
 def load_tokenizer(model: str | None = None):

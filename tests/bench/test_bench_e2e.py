@@ -13,6 +13,7 @@ from service.bench.cli import main
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_bench_against_its_own_server_and_the_peers(tmp_path, capsys):
     out, figs = tmp_path / "bench.json", tmp_path / "figs"
     rc = main(["--workload", "uniform", "--num-requests", "4", "--scale", "0.125",

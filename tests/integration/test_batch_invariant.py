@@ -16,8 +16,8 @@ from kernels import decode_attention_cpu as dac
 from kernels import quant_linear_cpu as qlc
 from protocol import SamplingParams
 from service.llm import LLM
-from service.quantization import choice
-from service.request import Request
+from service.worker.quantization import choice
+from service.core.request import Request
 
 pytestmark = pytest.mark.skipif(
     not qlc.available_isas() or not dac.kernel_available(),
@@ -71,11 +71,11 @@ def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[Requ
     for ids in prompts:
         req = Request(f"r{llm._next_id}", list(ids), params, frozenset())
         llm._next_id += 1
-        llm.scheduler.add_request(req)
+        llm.core.add_request(req)
         reqs.append(req)
-    while llm.scheduler.has_unfinished():
-        llm.step()
-    llm.scheduler.check_integrity()
+    while llm.core.has_unfinished():
+        llm.core.step()
+    llm.core.check_integrity()
     return [r.output_token_ids for r in reqs], reqs
 
 

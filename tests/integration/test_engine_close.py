@@ -8,7 +8,7 @@ import pytest
 
 from protocol import Done, SamplingParams
 from service.engine import Engine
-from service.scheduler_output import SchedulerOutput
+from service.core.scheduler_output import SchedulerOutput
 
 
 async def test_close_releases_the_cache_and_weights_but_keeps_the_facts(loaded_model,
@@ -24,5 +24,5 @@ async def test_close_releases_the_cache_and_weights_but_keeps_the_facts(loaded_m
     # what callers read after close still answers
     assert engine.model_name and engine.max_model_len > 0 and engine.tokenizer is not None
     with pytest.raises(RuntimeError, match="released"):
-        runner.execute(SchedulerOutput([], 0))
+        runner.execute(SchedulerOutput([], 0, finished_request_ids=("x",)))
     await engine.close()  # idempotent

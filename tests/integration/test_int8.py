@@ -11,15 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant_linear_cpu as qlc
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
-from service.quantization import DenseLinear
-from service.quantization.paths import PATHS
-from service.quantization.plan import DispatchLinear, LinearPlan
+from service.worker.quantization import DenseLinear
+from service.worker.quantization.plan import DispatchLinear
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
-needs_int4 = pytest.mark.skipif(not qlc.available_isas(),
-                                reason="int4 needs our C++ kernels, which do not build or run here")
 CLASSES = ("qkv", "o", "gate_up", "down", "lm_head")
 
 PROMPTS = [*GREEDY_PROMPTS, "The three states of matter are"]

@@ -94,9 +94,11 @@ async def test_tiny_pool_preempts_without_changing_any_token(make_engine, preemp
 async def test_full_admission_queue_answers_overloaded(make_engine):
     engine = await make_engine(max_num_seqs=1, max_waiting_requests=2)
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
-    streams = [engine.add_request(prompt="Hello", params=params) for _ in range(2)]
+    # token ids are admitted without a thread hop: no step runs between these three
+    ids = engine.tokenizer.encode("Hello")
+    streams = [await engine.add_request(prompt_token_ids=ids, params=params) for _ in range(2)]
     with pytest.raises(Overloaded) as e:
-        engine.add_request(prompt="Hello", params=params)
+        await engine.add_request(prompt_token_ids=ids, params=params)
     assert e.value.retry_after_ms >= 100 and e.value.to_frame().retryable
     for s in streams:
         async for _ in s:
@@ -111,4 +113,4 @@ async def test_request_larger_than_the_whole_pool_is_rejected(make_engine):
 
     engine = await make_engine(num_kv_blocks=4)  # 64 tokens in all
     with pytest.raises(ContextLengthExceeded, match="KV blocks"):
-        engine.add_request(prompt="Hello", params=SamplingParams(max_tokens=100))
+        await engine.add_request(prompt="Hello", params=SamplingParams(max_tokens=100))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 
-from protocol import Delta, Done, SamplingParams, connect
+from protocol import Delta, Done, connect
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from protocol import Delta, Done, SamplingParams
-from service.model_runner import ModelRunner
-from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.worker.model_runner import ModelRunner
+from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
 
 
 def _seq(rid, tokens, computed, blocks, sample=True):
-    return ScheduledSequence(rid, tokens, computed, blocks, sample, SamplingParams(temperature=0),
-                             None)
+    return ScheduledSequence(rid, tokens, computed, blocks, sample, SamplingParams(temperature=0))
 
 
 def _logits(runner: ModelRunner, seqs) -> torch.Tensor:
@@ -68,15 +67,19 @@ PROMPTS = GREEDY_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_model, tokenizer):
-    """transformers' greedy generate, 32 new tokens, for each prompt."""
+def hf_greedy(hf_model, tokenizer, loaded_model):
+    """transformers' greedy generate, 32 new tokens, for each prompt; an EOS that ends it
+    is dropped (a stop token is not part of our completion: PROTOCOL-facing rule)."""
     out = {}
     for p in PROMPTS:
         ids = tokenizer.encode(p)
         with torch.no_grad():
             gen = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
                                     max_new_tokens=32, do_sample=False, pad_token_id=2)
-        out[p] = gen[0, len(ids):].tolist()
+        toks = gen[0, len(ids):].tolist()
+        if toks and toks[-1] in loaded_model.eos_token_ids:
+            toks.pop()
+        out[p] = toks
     return out
 
 

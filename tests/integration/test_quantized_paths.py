@@ -9,8 +9,8 @@ import torch
 
 from kernels import quant_linear_cpu as qlc
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
-from service.quantization.paths import PATHS
-from service.quantization.plan import LinearPlan
+from service.worker.quantization.paths import PATHS
+from service.worker.quantization.plan import LinearPlan
 from tests.integration.test_int8 import CLASSES, PROMPTS, TEXT, _check_follows_plan
 
 # (cosine mean, argmax agreement) each forced path must reach against fp32 on TEXT (66 tokens,

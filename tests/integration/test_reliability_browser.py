@@ -27,6 +27,7 @@ KEY = "chat-page-key_1"
 
 pytestmark = [
     pytest.mark.model,
+    pytest.mark.slow,
     pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium"),
 ]
 

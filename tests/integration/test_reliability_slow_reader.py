@@ -27,7 +27,7 @@ from service.config import ServerConfig
 from tests.integration.reliability_support import (RawClient, generate_frame,
                                                    small_window_connect, wait_idle, wait_until)
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 FAST, SLOW_REQUESTS, MAX_TOKENS = 8, 8, 32
 STALL_S = 2.0

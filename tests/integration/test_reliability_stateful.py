@@ -34,7 +34,7 @@ from service.server import ConveyorServer
 
 from tests.integration.reliability_support import RawClient, wait_idle, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 PROMPTS = ["Hi", "Name three colours.", "Write a haiku about rain. " * 4,
            "Explain continuous batching in one sentence. " * 8]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
 import websockets
 
 from protocol import Delta, Done, connect

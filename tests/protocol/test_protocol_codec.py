@@ -59,6 +59,17 @@ BAD_FRAMES: list[tuple[str | bytes, str | None, str | None]] = [
     ('{"type": "generate", "id": "r1", "prompt": "Hi", "params": {"temperature": 1e999}}',
      "$.params.temperature", "r1"),
     (gen(params=[1]), "$.params", "r1"),
+    # every number is bounded (issue 14): nothing a client sends overflows engine arithmetic
+    (gen(params={"priority": int("9" * 400)}), "$.params.priority", "r1"),
+    (gen(params={"priority": -(2 ** 63) - 1}), "$.params.priority", "r1"),
+    (gen(params={"seed": 2 ** 63}), "$.params.seed", "r1"),
+    (gen(params={"max_tokens": 2 ** 31}), "$.params.max_tokens", "r1"),
+    (gen(params={"top_k": 2 ** 31}), "$.params.top_k", "r1"),
+    (gen(params={"temperature": 100.5}), "$.params.temperature", "r1"),
+    (gen(params={"ttft_slo_ms": 1e10}), "$.params.ttft_slo_ms", "r1"),
+    (gen(params={"stop_token_ids": [2 ** 31]}), "$.params.stop_token_ids[0]", "r1"),
+    (gen(params={"stop_token_ids": list(range(257))}), "$.params.stop_token_ids", "r1"),
+    (gen(prompt=_DROP, prompt_token_ids=[2 ** 31]), "$.prompt_token_ids[0]", "r1"),
     (gen(messages=[{"role": "user", "content": "Hi"}]), None, "r1"),
     (gen(prompt=_DROP), None, "r1"),
     (gen(prompt=None), None, "r1"),
@@ -112,6 +123,11 @@ def test_boundary_values_are_accepted() -> None:
     msg = decode_client_frame(gen(id="x" * 128, params=params))
     assert isinstance(msg, Generate)
     assert (msg.params.top_p, msg.params.min_p, len(msg.params.stop)) == (1.0, 1.0, 8)
+    edges = {"max_tokens": 2 ** 31 - 1, "top_k": 2 ** 31 - 1, "temperature": 100.0,
+             "priority": -(2 ** 63), "seed": 2 ** 63 - 1, "ttft_slo_ms": 1e9,
+             "stop_token_ids": [2 ** 31 - 1] * 256}
+    msg = decode_client_frame(gen(params=edges))
+    assert isinstance(msg, Generate) and msg.params.priority == -(2 ** 63)
 
 
 # --- fuzzing: nothing but InvalidRequest may escape ---------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.block_pool import KVBlockPool
+from service.core.block_pool import KVBlockPool
 
 
 def test_allocate_order_and_free_tail_first():

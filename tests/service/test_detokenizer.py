@@ -29,7 +29,7 @@ def smol_tokenizer() -> Any:
     """The SmolLM2-135M-Instruct tokenizer alone (no weights), from the installed GGUF file."""
     from transformers import AutoTokenizer
 
-    from service.loader import default_model_path
+    from service.worker.loader import default_model_path
 
     path = Path(default_model_path())
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,4 +1,4 @@
-"""Kernel choice by measurement (service.quantization.choice / plan / paths) with fake
+"""Kernel choice by measurement (service.worker.quantization.choice / plan / paths) with fake
 paths and a fake timer: deterministic, no kernel timed."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from service.quantization import choice
-from service.quantization.linear import DenseLinear
-from service.quantization.paths import PATHS, LinearPath, candidates
-from service.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_index
+from service.worker.quantization import choice
+from service.worker.quantization.linear import DenseLinear
+from service.worker.quantization.paths import PATHS, LinearPath, candidates
+from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_index
 
 
 def _noisy(lw) -> DenseLinear:

@@ -1,4 +1,5 @@
-"""Scheduling policies and batching modes on hand-made arrival traces (fake runner, fake clock).
+"""Scheduling policies and batching modes on hand-made arrival traces (EngineCore with a
+NullRunner, fake clock).
 
 Each trace records, step by step, which requests were scheduled, preempted and finished,
 and the tests assert the exact order. Starvation bounds are checked against each policy's
@@ -12,20 +13,22 @@ from dataclasses import dataclass, field
 import pytest
 
 from protocol import SamplingParams
-from service.block_pool import KVBlockPool
-from service.config import CacheConfig, PolicyOptions, SchedulerConfig
-from service.policy import SJFPolicy, make_policy
-from service.request import Request
-from service.scheduler import Scheduler
+from service.core.config import CacheConfig, EngineConfig, PolicyOptions, SchedulerConfig
+from service.core.engine_core import EngineCore
+from service.core.null_runner import NullRunner
+from service.core.policy import SJFPolicy, make_policy
+from service.core.request import Request
+from service.core.scheduler import Scheduler
 
 STEP_S = 0.1  # fake seconds per step
 
 
 @dataclass
 class Trace:
-    """Drives a scheduler with a fake runner; arrivals are (time, request)."""
+    """Drives an EngineCore with a NullRunner and a fake clock; arrivals are (time, request)."""
 
-    sched: Scheduler
+    core: EngineCore
+    runner: NullRunner
     clock: list[float]
     arrivals: list[tuple[float, Request]] = field(default_factory=list)
     events: list[tuple[int, str, str]] = field(default_factory=list)  # (step, kind, id)
@@ -33,29 +36,31 @@ class Trace:
     first_step: dict[str, int] = field(default_factory=dict)
     step_no: int = 0
 
+    @property
+    def sched(self) -> Scheduler:
+        return self.core.scheduler
+
     def run(self, max_steps: int = 10_000) -> None:
         # list order breaks ties between equal arrival times (1 us apart)
         pending = sorted(((t + 1e-6 * i, r) for i, (t, r) in enumerate(self.arrivals)),
                          key=lambda a: a[0])
-        while (pending or self.sched.has_unfinished()) and self.step_no < max_steps:
+        while (pending or self.core.has_unfinished()) and self.step_no < max_steps:
             while pending and pending[0][0] <= self.clock[0] + 1e-3:
                 t, req = pending.pop(0)
                 req.arrival_time = t
-                self.sched.add_request(req)
-            out = self.sched.schedule()
-            for rid in out.preempted:
-                self.events.append((self.step_no, "preempt", rid))
-            for seq in out.sequences:
-                if seq.request_id not in self.first_step:
-                    self.first_step[seq.request_id] = self.step_no
-                    self.events.append((self.step_no, "start", seq.request_id))
-            sampled = {s.request_id: 5 for s in out.sequences if s.sample}
-            for req in self.sched.update_from_output(out, sampled):
-                if req.check_stop(10_000):
-                    self.sched.finish_request(req.request_id, "length")
-                    self.finish_step[req.request_id] = self.step_no
-                    self.events.append((self.step_no, "finish", req.request_id))
-            self.sched.check_integrity()
+                self.core.add_request(req)
+            calls_before = len(self.runner.calls)
+            finished = [o.request_id for o in self.core.step() if o.finish_reason is not None]
+            scheduled = self.runner.calls[-1] if len(self.runner.calls) > calls_before else []
+            started = [rid for rid in scheduled if rid not in self.first_step]
+            for kind, ids in (("preempt", self.core.last_preempted), ("start", started),
+                              ("finish", finished)):
+                self.events += [(self.step_no, kind, rid) for rid in ids]
+            for rid in started:
+                self.first_step[rid] = self.step_no
+            for rid in finished:
+                self.finish_step[rid] = self.step_no
+            self.core.check_integrity()
             self.step_no += 1
             self.clock[0] = self.step_no * STEP_S  # no float drift over many steps
 
@@ -71,11 +76,11 @@ def trace(policy: str = "fcfs", *, max_num_seqs: int = 2, budget: int = 64, bloc
                           preemption_mode="recompute", scheduling_policy=policy,
                           policy=options or PolicyOptions(), batching=batching,
                           schedule_interval=interval, max_queue_delay_ms=delay_ms)
-    pool = KVBlockPool(blocks, 4, enable_prefix_caching=False)
-    sched = Scheduler(cfg, pool, 10_000, cache=CacheConfig(kv_watermark_low=1.0,
-                      kv_watermark_high=1.0, kv_watermark_critical=1.0),
-                      clock=lambda: clock[0])
-    return Trace(sched, clock)
+    cache = CacheConfig(block_size=4, enable_prefix_caching=False, kv_watermark_low=1.0,
+                        kv_watermark_high=1.0, kv_watermark_critical=1.0)
+    runner = NullRunner(blocks, max_model_len=10_000, token_fn=lambda rid, pos: 5)
+    core = EngineCore(EngineConfig(cache=cache, scheduler=cfg), runner, clock=lambda: clock[0])
+    return Trace(core, runner, clock)
 
 
 def R(rid: str, *, tokens: int = 4, prompt: int = 4, priority: int = 0,
@@ -212,9 +217,11 @@ def test_static_batch_runs_to_completion_before_the_next_starts():
     t = trace("fcfs", max_num_seqs=2, batching="static")
     t.arrivals = [(0.0, R("a", tokens=2)), (0.0, R("b", tokens=6)), (0.0, R("c", tokens=2))]
     t.run()
-    # c waits for the whole batch {a, b}, although a's slot was free from step 2
-    assert t.events == [(0, "start", "a"), (0, "start", "b"), (1, "finish", "a"),
-                        (5, "finish", "b"), (6, "start", "c"), (7, "finish", "c")]
+    # c waits for the whole batch {a, b}, although a's slot was free from step 2, and
+    # a's end (its done) is held until the batch ends with b
+    assert t.events == [(0, "start", "a"), (0, "start", "b"), (5, "finish", "b"),
+                        (5, "finish", "a"), (6, "start", "c"), (7, "finish", "c")]
+    assert t.sched.requests == {} and not t.core.has_unfinished()
 
 
 def test_dynamic_batch_waits_for_a_full_batch_or_the_queue_delay():

@@ -1,4 +1,4 @@
-"""service.quantization: per-channel weights, int8 linear layers, SmoothQuant factors,
+"""service.worker.quantization: per-channel weights, int8 linear layers, SmoothQuant factors,
 calibration data; the --quantization setting (config and CLI)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from service.cli import add_engine_args, engine_config
 from service.config import ModelConfig
-from service.quantization import (AmaxObserver, DenseLinear, Int8Linear, calibration_token_ids,
-                                  cpu_has_vnni, quantize_per_channel, smoothing_factors)
+from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear,
+                                         calibration_token_ids, cpu_has_vnni,
+                                         quantize_per_channel, smoothing_factors)
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
                                 reason="int8 needs torch's fbgemm engine (x86-64)")
@@ -145,7 +146,7 @@ def smollm_tokenizer():
     """The default model's tokenizer alone (no weights)."""
     from transformers import AutoTokenizer
 
-    from service.loader import _source, default_model_path
+    from service.worker.loader import _source, default_model_path
 
     folder, kw = _source(default_model_path())
     return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
@@ -193,7 +194,7 @@ def test_batch_invariant_setting_is_validated_and_parsed() -> None:
 
 def test_clones_compute_the_same_on_other_memory() -> None:
     # kernel timing streams clones of a layer from DRAM: each must equal its original
-    from service.quantization.paths import PATHS, LayerWeights
+    from service.worker.quantization.paths import PATHS, LayerWeights
 
     w, b = _weight(64, 32), torch.randn(64)
     x = torch.randn(5, 32)

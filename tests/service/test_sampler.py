@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from service.sampler import GREEDY_EPS, SamplingTensors, build_sampling_tensors, make_generator, sample
+from service.worker.sampler import GREEDY_EPS, SamplingTensors, build_sampling_tensors, make_generator, sample
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def _reference_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def test_top_p_matches_a_full_sort_for_narrow_and_wide_nuclei() -> None:
-    from service.sampler import TOP_P_CANDIDATES, _mask_top_p_
+    from service.worker.sampler import TOP_P_CANDIDATES, _mask_top_p_
 
     gen = torch.Generator().manual_seed(8)
     vocab = 3000
@@ -157,7 +157,7 @@ def test_top_p_matches_a_full_sort_for_narrow_and_wide_nuclei() -> None:
 
 
 def test_top_p_boundary_is_the_smallest_set_reaching_top_p() -> None:
-    from service.sampler import _mask_top_p_
+    from service.worker.sampler import _mask_top_p_
 
     probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 3)  # exact in binary
     kept = _mask_top_p_(probs.clone(), torch.tensor([0.75, 0.5, 0.76])) > 0

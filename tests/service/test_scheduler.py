@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from protocol import SamplingParams
-from service.block_pool import KVBlockPool
+from service.core.block_pool import KVBlockPool
 from service.config import CacheConfig, SchedulerConfig
-from service.request import Request, RequestStatus
-from service.scheduler import PreemptionCost, Scheduler
-from service.swap_space import SwapSpace
+from service.core.request import Request, RequestStatus
+from service.core.scheduler import PreemptionCost, Scheduler
+from service.core.swap_space import SwapSpace
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=8, prefix=True,
@@ -144,7 +144,7 @@ def test_swap_preemption_keeps_computed_tokens_and_swaps_back_in():
     assert [(q.request_id, len(q.token_ids), q.num_computed_tokens) for q in out.sequences] == \
         [("b", 1, 4)]
     assert out.swap_in == [(0, 2), (1, 3)] and b.block_ids == [2, 3, 1]
-    assert s.swap.num_free_blocks == 4
+    assert s.kv.swap.num_free_blocks == 4
     s.update_from_output(out, {"b": 8})
     s.check_integrity()
 

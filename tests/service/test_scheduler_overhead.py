@@ -7,19 +7,23 @@ from __future__ import annotations
 import pytest
 
 from protocol import SamplingParams
-from service.bench.scheduler_overhead import REFERENCE_STEP_MS, FakeRunner, main, measure
-from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.bench.scheduler_overhead import REFERENCE_STEP_MS, main, measure
+from service.core.null_runner import NullRunner
+from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 def _seq(rid: str, sample: bool) -> ScheduledSequence:
-    return ScheduledSequence(rid, [1], 4, [0], sample, SamplingParams(), None)
+    return ScheduledSequence(rid, [1], 4, [0], sample, SamplingParams())
 
 
-def test_fake_runner_samples_one_token_per_sampling_sequence() -> None:
-    runner = FakeRunner(token_id=7)
+def test_null_runner_samples_one_token_per_sampling_sequence() -> None:
+    runner = NullRunner(token_fn=lambda rid, pos: 7 + pos)
     out = SchedulerOutput([_seq("a", True), _seq("b", False), _seq("c", True)], 3)
-    assert runner.execute(out) == {"a": 7, "c": 7}
-    assert (runner.steps, runner.tokens) == (1, 3)
+    assert runner.execute(out).sampled == {"a": 7, "c": 7}
+    assert runner.execute(out).sampled == {"a": 8, "c": 8}
+    assert (runner.steps, runner.tokens) == (2, 6)
+    runner.execute(SchedulerOutput([], 0, finished_request_ids=("a",)))
+    assert runner.forgotten == ["a"] and runner.steps == 2
 
 
 def test_measure_runs_every_sequence_every_step_and_adds_up() -> None:

@@ -17,9 +17,9 @@ Efficient Integer-Arithmetic-Only Inference", CVPR 2018):
   `torch._int_mm` (int8 x int8 -> int32), so one row with a huge activation does not ruin
   the others; fast only on CPUs with VNNI (20-50x slower than fp32 on AVX2-only CPUs).
 
-Both quantize activations, so SmoothQuant (`service.quantization.smoothing`) keeps them
+Both quantize activations, so SmoothQuant (`service.worker.quantization.smoothing`) keeps them
 accurate. Which path serves which layer and row count is measured per machine
-(`service.quantization.choice`).
+(`service.worker.quantization.choice`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from service.quantization.linear import check_weight
+from service.worker.quantization.linear import check_weight
 
 _ENGINE = "fbgemm"
 

@@ -1,4 +1,4 @@
-"""The chosen linear paths of a model (from ``service.quantization.choice``), and the Linear
+"""The chosen linear paths of a model (from ``service.worker.quantization.choice``), and the Linear
 that dispatches a call to its row bucket's path."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.quantization.linear import Linear
-from service.quantization.paths import INT4_GROUP, PATHS, LayerWeights
+from service.worker.quantization.linear import Linear
+from service.worker.quantization.paths import INT4_GROUP, PATHS, LayerWeights
 
 BUCKETS = (1, 16, 64, 512)
 """Row counts the paths are timed at; a call uses the nearest on a log scale."""

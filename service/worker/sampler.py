@@ -133,7 +133,8 @@ def sample(
             from its generator in every step that is not all-greedy (a greedy row's
             tokens never depend on them).
 
-    Returns: [B] int64 token ids on the logits' device.
+    Returns: [B] int64 token ids on the logits' device; -1 for a row whose logits hold
+        NaN or +inf (that row's failure only: every other row is sampled as usual).
 
     Raises: ValueError on a shape mismatch, TypeError on a non-float logits tensor.
 
@@ -149,7 +150,10 @@ def sample(
     batch, vocab = logits.shape
     logits = logits.float()
     greedy = temperature < GREEDY_EPS  # [B]
-    greedy_tokens = logits.argmax(dim=-1)  # [B]
+    # max, not argmax: same pass, and its values show a row with NaN or +inf logits
+    # (max propagates NaN), which fails alone (-1) instead of sampling garbage.
+    top, greedy_tokens = logits.max(dim=-1)  # [B], [B]
+    greedy_tokens = greedy_tokens.masked_fill_(~torch.isfinite(top), -1)
     needs_top_k = ~greedy & (top_k > 0) & (top_k < vocab)  # [B]
     needs_top_p = ~greedy & (top_p < 1.0)  # [B]
     needs_min_p = ~greedy & (min_p > 0.0)  # [B]
@@ -195,7 +199,7 @@ def sample(
     # 0 / log U_i = 0 is above every kept token's negative value).
     log_uniform = _log_uniform_noise(batch, vocab, generators, logits.device)  # [B, V]
     sampled = probs.div_(log_uniform).argmin(dim=-1)  # [B]
-    return torch.where(greedy, greedy_tokens, sampled)
+    return torch.where(greedy | (greedy_tokens < 0), greedy_tokens, sampled)
 
 
 # Top-p first looks for the nucleus among this many most likely tokens.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -84,6 +84,10 @@ class KVBlockPool:
     def usage(self) -> float:
         """Fraction of blocks held by requests, 0..1 (cached-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        """How many requests hold block `block_id` (0: free or cached-free)."""
+        return self.blocks[block_id].ref_cnt
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

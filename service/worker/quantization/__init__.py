@@ -11,11 +11,11 @@ batch-invariant variants; which kernel serves each layer is measured per machine
 
 from __future__ import annotations
 
-from service.quantization.linear import DenseLinear, Linear
-from service.quantization.smoothing import (CALIBRATION_ANSWER, CALIBRATION_QUESTION,
+from service.worker.quantization.linear import DenseLinear, Linear
+from service.worker.quantization.smoothing import (CALIBRATION_ANSWER, CALIBRATION_QUESTION,
                                             CALIBRATION_TEXT, SMOOTHING_ALPHA, AmaxObserver,
                                             calibration_token_ids, smoothing_factors)
-from service.quantization.torch_int8 import Int8Linear, cpu_has_vnni, quantize_per_channel
+from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni, quantize_per_channel
 
 QUANTIZATIONS = ("int8", "int4")
 """Values of `ModelConfig.quantization` besides None (dense weights)."""

@@ -19,10 +19,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from protocol import SamplingParams
-from service.sampler import make_generator
+from protocol.messages import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -35,9 +32,10 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one generation request (owned by the scheduler task).
+    """Engine-side state of one generation request (owned by EngineCore; pure data).
 
-    arrival_time and the other times are `time.monotonic()` seconds.
+    arrival_time and the other times are `time.monotonic()` seconds. A seeded request's
+    random generator is the model runner's (it keys them by request id).
     """
 
     request_id: str
@@ -58,11 +56,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        if self.generator is None:
-            self.generator = make_generator(self.params.seed)
+    stop_token_id: int | None = None  # the EOS / stop token that ended it (not delivered)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,11 +85,14 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last sampled token, or None: EOS/stop id -> "stop",
-        max_tokens or the context cap -> "length". Stop strings are the detokenizer's."""
+        max_tokens or the context cap -> "length". Stop strings are the detokenizer's.
+
+        A stop token is not part of the completion: it is taken off `output_token_ids`
+        (so usage counts what is delivered) and kept in `stop_token_id`."""
         last = self.output_token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
-        if last in self.params.stop_token_ids:
+        if (not self.params.ignore_eos and last in self.eos_token_ids) or \
+                last in self.params.stop_token_ids:
+            self.stop_token_id = self.output_token_ids.pop()
             return "stop"
         if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
             return "length"

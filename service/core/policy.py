@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.config import PolicyOptions
-from service.request import Request, RequestStatus
+from service.core.config import PolicyOptions
+from service.core.request import Request, RequestStatus
 
 
 def _new(req: Request) -> bool:

@@ -4,7 +4,7 @@ The model knows nothing of requests, blocks or scheduling: it gets token ids,
 positions and the attention metadata of one step, and reads and writes the
 per-layer KV cache tensors it is handed. Weights are fused once at load (q|k|v and
 gate|up) in the `[out, in]` layout that `F.linear` reads fastest; `quantize` replaces
-each by the linear layer a quantization plan builds (`service.quantization`), after
+each by the linear layer a quantization plan builds (`service.worker.quantization`), after
 folding SmoothQuant factors where the plan quantizes activations.
 
 Two kernel paths:
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from kernels import KernelOps
 from kernels.paged_attention import AttentionWork
 from kernels.paged_attention_cpu import CpuAttentionPlan, cpu_paged_attention
-from service.loader import LoadedModel
-from service.quantization import AmaxObserver, DenseLinear, Linear
-from service.quantization.smoothing import fold_smoothing
+from service.worker.loader import LoadedModel
+from service.worker.quantization import AmaxObserver, DenseLinear, Linear
+from service.worker.quantization.smoothing import fold_smoothing
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,9 @@ class LlamaModel:
     """Weights and forward of a Llama-family decoder.
 
     Args:
-        loaded: config and HF-named weights from `service.loader.load_model`.
+        loaded: config and HF-named weights from `service.worker.loader.load_model`.
         ops: the kernels to use.
-        device, dtype: where and in what the weights live (dense; see `quantize_int8`).
+        device, dtype: where and in what the weights live (dense; see `quantize`).
     """
 
     def __init__(self, loaded: LoadedModel, ops: KernelOps, device: torch.device,

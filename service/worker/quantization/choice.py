@@ -37,8 +37,8 @@ import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
-from service.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
-from service.quantization.plan import BUCKETS, LinearPlan
+from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+from service.worker.quantization.plan import BUCKETS, LinearPlan
 
 log = logging.getLogger(__name__)
 

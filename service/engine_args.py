@@ -1,0 +1,111 @@
+"""Command-line flags generated from the config dataclasses: one option, one definition.
+
+Every field of `ModelConfig`, `CacheConfig`, `SchedulerConfig` (with its
+`PolicyOptions`), `EngineConfig` and `ServerConfig` declared with
+`service.core.config.option(...)` becomes `--field-name` with that help, default,
+choices and parser; `engine_config(ns)` / `server_config(ns)` build the frozen
+configs back from parsed flags (whose own `__post_init__` checks the values).
+A field without option metadata is not a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any
+
+from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+
+__all__ = ["add_engine_args", "add_server_args", "engine_config", "server_config"]
+
+# (title of the --help group, config class); nested config fields (SchedulerConfig.policy)
+# are flattened into their parent's group
+ENGINE_GROUPS = (("model", ModelConfig), ("KV cache", CacheConfig),
+                 ("scheduling", SchedulerConfig), ("engine", EngineConfig))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(cls: type, name: str) -> Any:
+    """The non-None type of field `name` of `cls` (e.g. int for `int | None`)."""
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    return hint
+
+
+def _add_fields(group: Any, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        kind = _scalar_type(cls, f.name)
+        kw: dict[str, Any] = {"help": meta["help"], "dest": f.name}
+        none = meta.get("none")
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+            kw["default"] = default
+        else:
+            parse = meta.get("parse") or kind
+            if none is not None:
+                kw["type"] = lambda text, _p=parse, _n=none: None if text == _n else _p(text)
+                kw["default"] = None
+            else:
+                kw["type"] = parse
+                kw["default"] = default
+            if "choices" in meta:
+                kw["choices"] = list(meta["choices"]) if none is None else \
+                    [None if c == none else c for c in meta["choices"]]
+                kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            elif "metavar" in meta:
+                kw["metavar"] = meta["metavar"]
+        group.add_argument(_flag(f.name), **kw)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (shared by `serve`, `bench` and the engine-only benchmark)."""
+    for title, cls in ENGINE_GROUPS:
+        group = parser.add_argument_group(title)
+        _add_fields(group, cls)
+        if cls is not EngineConfig:  # EngineConfig's parts have groups of their own
+            for hint in typing.get_type_hints(cls).values():
+                if dataclasses.is_dataclass(hint):  # e.g. SchedulerConfig.policy
+                    _add_fields(group, hint)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The network flags of `conveyor serve`."""
+    _add_fields(parser.add_argument_group("network"), ServerConfig)
+
+
+def _build(cls: type, ns: argparse.Namespace) -> Any:
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            kw[f.name] = _build(hint, ns)
+        elif "help" in f.metadata and hasattr(ns, f.name):
+            kw[f.name] = getattr(ns, f.name)
+    return cls(**kw)
+
+
+def engine_config(ns: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed engine flags (raises ValueError for bad values)."""
+    return _build(EngineConfig, ns)
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed network flags; --api-key falls back to $CONVEYOR_API_KEY
+    (raises ValueError for bad values)."""
+    config = _build(ServerConfig, ns)
+    if config.api_key is None and os.environ.get("CONVEYOR_API_KEY"):
+        config = dataclasses.replace(config, api_key=os.environ["CONVEYOR_API_KEY"])
+    return config
+
