@@ -42,8 +42,10 @@ namespace {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr const char* kIsa = "avx512";
 // Tile shapes (rows x panels) for many rows and for one, per format {fp32, int8, int4}:
-// accumulators R x C vectors (int4: twice, see tile_i4) within the 32 vector registers.
-constexpr int kGemmRows[3] = {6, 6, 4}, kGemmPanels[3] = {4, 4, 2}, kGemvPanels[3] = {4, 4, 4};
+// accumulators R x C vectors (int4: twice: group sums and totals) in 32 vector registers.
+constexpr int kGemmRows[3] = {6, 6, 6}, kGemmPanels[3] = {4, 4, 4}, kGemvPanels[3] = {4, 4, 4};
+// Whether many-row calls unpack int8 / int4 weights once per panel group (unpack_strip).
+constexpr bool kStrip[3] = {false, true, true};
 struct V16 {
   __m512 v;
 };
@@ -66,6 +68,9 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 constexpr const char* kIsa = "avx2";
 // As above within 16 registers (a V16 is two of them).
 constexpr int kGemmRows[3] = {4, 4, 2}, kGemmPanels[3] = {1, 1, 1}, kGemvPanels[3] = {4, 4, 2};
+// int4 from a strip measured 1.5-2.5x slower here than unpacking in each tile (GCC 12 keeps
+// the group sums in memory when a V16 is two ymm registers).
+constexpr bool kStrip[3] = {false, true, false};
 struct V16 {
   __m256 lo, hi;
 };
@@ -100,6 +105,10 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 #endif
 
 enum Format { kF32 = 0, kI8 = 1, kI4 = 2 };
+
+// From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
+// floats (unpack_strip) instead of once per tile.
+constexpr int64_t kStripRowBlocks = 2;
 
 struct Problem {
   const float* x;
@@ -185,15 +194,94 @@ inline void tile_i4(const Problem& pb, const float* x, const float* xsum, int64_
   }
 }
 
-// Rows m0 .. m0+R-1, panels p0 .. p0+C-1: accumulate, scale, add the bias, store.
+// For many rows: the weights of panels p0 .. p0+C-1 converted once to floats, [C][K][16]
+// (the int8 or int4 values q themselves, exact: no scale applied), so that every row block
+// reads them without unpacking again. The tiles below do the same fp32 operations on them
+// as tile_i8 / tile_i4 do on the packed bytes: the same bits.
+template <int Fmt, int C>
+void unpack_strip(const Problem& pb, int64_t p0, float* strip) {
+  const int64_t K = pb.K;
+  for (int c = 0; c < C; ++c) {
+    float* dst = strip + static_cast<int64_t>(c) * K * 16;
+    if (Fmt == kI8) {
+      const int8_t* w = static_cast<const int8_t*>(pb.w);
+      for (int64_t k = 0; k < K; ++k) store(dst + k * 16, load_i8(w + at(p0 + c, K, k)));
+    } else {
+      const uint8_t* w = static_cast<const uint8_t*>(pb.w);
+      const int64_t pairs = (K + 1) / 2;
+      for (int64_t k = 0; k < K; k += 2) {
+        V16 lo, hi;
+        load_u4x2(w + at(p0 + c, pairs, k / 2), lo, hi);
+        store(dst + k * 16, lo);
+        if (k + 1 < K) store(dst + (k + 1) * 16, hi);
+      }
+    }
+  }
+}
+
+template <int R, int C>
+struct Sums {
+  V16 v[R][C];
+};
+
+// s[r][c] = sum over k in [k0, k1), in order, of fma(x[r, k], strip(c, k), s): one int4
+// group's sums (a function of its own, so that the compiler keeps them in registers).
+template <int R, int C>
+inline Sums<R, C> group_sums(const float* x, int64_t x_stride, const float* strip, int64_t K,
+                             int64_t k0, int64_t k1) {
+  Sums<R, C> s;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) s.v[r][c] = zero();
+  for (int64_t k = k0; k < k1; ++k) {
+    V16 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load(strip + (c * K + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      const V16 xv = bcast(x[r * x_stride + k]);
+      for (int c = 0; c < C; ++c) s.v[r][c] = fma(xv, wv[c], s.v[r][c]);
+    }
+  }
+  return s;
+}
+
 template <int Fmt, int R, int C>
-void tile(const Problem& pb, int64_t m0, int64_t p0) {
+inline void tile_strip(const Problem& pb, const float* x, const float* xsum, int64_t p0,
+                       const float* strip, V16 (&acc)[R][C]) {
+  const int64_t K = pb.K;
+  if (Fmt == kI8) {
+    for (int64_t k = 0; k < K; ++k) {
+      V16 wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = load(strip + (c * K + k) * 16);
+      for (int r = 0; r < R; ++r) {
+        const V16 xv = bcast(x[r * pb.x_stride + k]);
+        for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+      }
+    }
+    return;
+  }
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    Sums<R, C> s = group_sums<R, C>(x, pb.x_stride, strip, K, g * pb.group,
+                                    std::min(K, (g + 1) * pb.group));
+    for (int c = 0; c < C; ++c) {
+      const V16 d = load(pb.scale + at(p0 + c, pb.groups, g));
+      const V16 mn = load(pb.minv + at(p0 + c, pb.groups, g));
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = fma(bcast(xsum[r * pb.groups + g]), mn, fma(d, s.v[r][c], acc[r][c]));
+    }
+  }
+}
+
+// Rows m0 .. m0+R-1, panels p0 .. p0+C-1: accumulate (from the packed weights, or from
+// `strip` when given), scale, add the bias, store.
+template <int Fmt, int R, int C>
+void tile(const Problem& pb, int64_t m0, int64_t p0, const float* strip = nullptr) {
   V16 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
   const float* x = pb.x + m0 * pb.x_stride;
   if (Fmt == kF32)
     tile_f32<R, C>(pb, x, p0, acc);
+  else if (strip != nullptr)
+    tile_strip<Fmt, R, C>(pb, x, pb.xsum + m0 * pb.groups, p0, strip, acc);
   else if (Fmt == kI8)
     tile_i8<R, C>(pb, x, p0, acc);
   else
@@ -219,15 +307,15 @@ void tile(const Problem& pb, int64_t m0, int64_t p0) {
 }
 
 template <int Fmt, int C>
-void tile_rows(const Problem& pb, int64_t m0, int rows, int64_t p0) {
+void tile_rows(const Problem& pb, int64_t m0, int rows, int64_t p0, const float* strip) {
   static_assert(kGemmRows[Fmt] <= 6, "add cases below");
   switch (rows) {
-    case 1: tile<Fmt, 1, C>(pb, m0, p0); break;
-    case 2: if constexpr (kGemmRows[Fmt] >= 2) tile<Fmt, 2, C>(pb, m0, p0); break;
-    case 3: if constexpr (kGemmRows[Fmt] >= 3) tile<Fmt, 3, C>(pb, m0, p0); break;
-    case 4: if constexpr (kGemmRows[Fmt] >= 4) tile<Fmt, 4, C>(pb, m0, p0); break;
-    case 5: if constexpr (kGemmRows[Fmt] >= 5) tile<Fmt, 5, C>(pb, m0, p0); break;
-    case 6: if constexpr (kGemmRows[Fmt] >= 6) tile<Fmt, 6, C>(pb, m0, p0); break;
+    case 1: tile<Fmt, 1, C>(pb, m0, p0, strip); break;
+    case 2: if constexpr (kGemmRows[Fmt] >= 2) tile<Fmt, 2, C>(pb, m0, p0, strip); break;
+    case 3: if constexpr (kGemmRows[Fmt] >= 3) tile<Fmt, 3, C>(pb, m0, p0, strip); break;
+    case 4: if constexpr (kGemmRows[Fmt] >= 4) tile<Fmt, 4, C>(pb, m0, p0, strip); break;
+    case 5: if constexpr (kGemmRows[Fmt] >= 5) tile<Fmt, 5, C>(pb, m0, p0, strip); break;
+    case 6: if constexpr (kGemmRows[Fmt] >= 6) tile<Fmt, 6, C>(pb, m0, p0, strip); break;
     default: break;
   }
 }
@@ -242,14 +330,29 @@ void run(const Problem& pb, int num_threads) {
     for (int64_t i = 0; i < items; ++i) tile<Fmt, 1, C>(pb, 0, i * C);
     return;
   }
-  // Items panel-group-major: a thread's consecutive items share a strip of weights.
   constexpr int R = kGemmRows[Fmt], C = kGemmPanels[Fmt];
-  const int64_t blocks = (pb.M + R - 1) / R;
-  const int64_t items = panels / C * blocks;
+  const int64_t blocks = (pb.M + R - 1) / R, strips = panels / C;
+  if (kStrip[Fmt] && blocks >= kStripRowBlocks && strips >= 2 * num_threads) {
+    // One item per panel group: unpack its weights once, then run every row block over them.
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<float> strip(static_cast<size_t>(C) * pb.K * 16);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < strips; ++i) {
+        unpack_strip<Fmt, C>(pb, i * C, strip.data());
+        for (int64_t m0 = 0; m0 < pb.M; m0 += R)
+          tile_rows<Fmt, C>(pb, m0, static_cast<int>(std::min<int64_t>(R, pb.M - m0)), i * C,
+                            strip.data());
+      }
+    }
+    return;
+  }
+  // Items panel-group-major: a thread's consecutive items share a strip of weights.
+  const int64_t items = strips * blocks;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t i = 0; i < items; ++i) {
     const int64_t p0 = i / blocks * C, m0 = i % blocks * R;
-    tile_rows<Fmt, C>(pb, m0, static_cast<int>(std::min<int64_t>(R, pb.M - m0)), p0);
+    tile_rows<Fmt, C>(pb, m0, static_cast<int>(std::min<int64_t>(R, pb.M - m0)), p0, nullptr);
   }
 }
 
