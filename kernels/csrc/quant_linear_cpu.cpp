@@ -25,11 +25,12 @@
 //          d, min [Np / 64, ceil(K / group), 64] float (group even)
 // so a one-row call reads each block as one sequential stream. A panel is 16 channels (a
 // quarter of a block: one vector). A tile is R rows x C panels: for each k, C weight vectors
-// are loaded (and converted) once and multiplied into R x C accumulators by broadcasting x[m, k] (the outer-product
-// form of GEMM micro-kernels, as in BLIS: Van Zee and van de Geijn, "BLIS: A Framework for
-// Rapidly Instantiating BLAS Functionality", ACM TOMS 2015). Work items are (group of C
-// panels, block of R rows) pairs spread over OpenMP threads; the library links the libgomp
-// torch has loaded, so both share one pool.
+// are loaded (and converted) once and multiplied into R x C accumulators by broadcasting
+// x[m, k] (the outer-product form of GEMM micro-kernels, as in BLIS: Van Zee and van de
+// Geijn, "BLIS: A Framework for Rapidly Instantiating BLAS Functionality", ACM TOMS 2015).
+// With many rows, a group of C panels is converted to floats once (unpack_strip) and every
+// row block reads those. Work items (groups of C panels, blocks of R rows) are spread over
+// OpenMP threads; the library links the libgomp torch has loaded, so both share one pool.
 #include <immintrin.h>
 
 #include <algorithm>

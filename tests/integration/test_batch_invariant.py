@@ -31,10 +31,10 @@ OTHERS = ["Hi", "List three primary colors and explain why each of them cannot b
 MAX_TOKENS = 6
 
 
-def _fake_timer(path, cls, rows, make_calls, give_up_ms):
+def _fake_timer(cls, rows, makers):
     """avx512 wins at 1 and 64 rows, avx2 at 16 and 512 (when both exist); never runs."""
     prefer = "avx512" if rows in (1, 64) else "avx2"
-    return 1.0 if path.name.endswith(prefer) else 2.0
+    return {name: 1.0 if name.endswith(prefer) else 2.0 for name in makers}
 
 
 class _Recorder:

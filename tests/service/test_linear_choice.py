@@ -31,14 +31,18 @@ LAYERS = {"qkv": (torch.randn(24, 16), None), "down": (torch.randn(16, 32), torc
 MS = {"slow": 5.0, "wrong": 0.1}
 
 
+def _ms(name: str, rows: int) -> float:
+    if name == "fast":
+        return 1.0 if rows <= 16 else 9.0
+    if name == "big":
+        return 2.0 if rows >= 64 else 9.0
+    return MS[name]
+
+
 def _timer(calls: list):
-    def timer(path, cls, rows, make_calls, give_up_ms):
-        calls.append((path.name, cls, rows))
-        if path.name == "fast":
-            return 1.0 if rows <= 16 else 9.0
-        if path.name == "big":
-            return 2.0 if rows >= 64 else 9.0
-        return MS[path.name]
+    def timer(cls, rows, makers):
+        calls.extend((name, cls, rows) for name in makers)
+        return {name: _ms(name, rows) for name in makers}
     return timer
 
 
@@ -80,8 +84,8 @@ def test_a_per_tensor_path_serves_only_one_row_calls() -> None:
     # an outlier token in an 8-row call ruins the other rows' range: refused there
     paths = [_fake("slow"), LinearPath("pertensor", "int8", False, True, _PerTensor,
                                        lambda: None)]
-    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=lambda p, *a: 
-                              0.5 if p.name == "pertensor" else 5.0)
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=lambda cls, rows, makers: {
+        n: 0.5 if n == "pertensor" else 5.0 for n in makers})
     e1, e8 = plan.errors["qkv"]["pertensor"]
     assert e1 < 0.02 < 0.04 < e8
     assert plan.choices["qkv"] == ("pertensor", "slow", "slow", "slow")
@@ -164,12 +168,22 @@ def test_candidates_per_mode() -> None:
         candidates("int3", False)
 
 
-def test_measure_ms_takes_the_fastest_call_and_gives_up_early() -> None:
+def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers() -> None:
     import time
 
-    durations = iter([0.0, 0.0] + [0.002, 0.0005, 0.003] * 10)
-    calls = [lambda: time.sleep(next(durations))] * 3
-    assert 0.4 < choice.measure_ms(calls, rounds=2) < 2.0
-    slow = [lambda: time.sleep(0.005)] * 2
-    assert choice.measure_ms(slow, give_up_ms=1.0) >= 4.0
+    order: list[str] = []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            time.sleep(seconds)
+        return run
+
+    calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.01)] * 2}
+    ms = choice.measure_ms(calls, rounds=3)
+    assert 0.4 < ms["a"] < 1.5 and ms["slow"] >= 9.0
+    # round 0: each path's first calls (a 10 ms call ends its path's round)
+    assert order[:3] == ["a", "a", "slow"]
+    assert order.count("slow") == 2  # more than 4x behind after round 1: not timed again
+    assert order.count("a") > 4
     assert BUCKETS == (1, 16, 64, 512)

@@ -15,7 +15,7 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
   broken build).
 - Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
   timed over copies of the weight that together exceed the last-level cache (as a step
-  streams every layer), the median of a few rounds' mean per call.
+  streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
 - Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
   key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
   count; a later start-up on the same machine reuses them.
@@ -23,6 +23,7 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -42,16 +43,16 @@ from service.worker.quantization.plan import BUCKETS, LinearPlan
 
 log = logging.getLogger(__name__)
 
-TIMING_VERSION = 1
+TIMING_VERSION = 2
 """Bump when the timing method changes: old cached timings are then not reused."""
 LM_HEAD = "lm_head"
 CHECK_ROWS = 8
 OUTLIER = 30.0
 
-Timer = Callable[[LinearPath, str, int, Callable[[], Sequence[Callable[[], object]]], float],
-                 float]
-"""(path, class name, rows, make_calls, give_up_ms) -> ms per call. make_calls builds the
-calls to time (one per weight copy); a fake timer for tests need not call it."""
+Timer = Callable[[str, int, Mapping[str, Callable[[], Sequence[Callable[[], object]]]]],
+                 dict[str, float]]
+"""(class name, rows, {path name: make_calls}) -> {path name: ms per call}. make_calls
+builds the calls to time (one per weight copy); a fake timer for tests need not call it."""
 
 
 def relative_errors(path: LinearPath, lw: LayerWeights, seed: int = 0) -> tuple[float, float]:
@@ -117,39 +118,43 @@ def bound_copies(path: LinearPath, lw: LayerWeights,
     return [first] + [first.clone() for _ in range(n - 1)]  # type: ignore[attr-defined]
 
 
-def measure_ms(calls: Sequence[Callable[[], object]], *, rounds: int = 3,
-               round_s: float = 0.01, give_up_ms: float = math.inf) -> float:
-    """The fastest call's ms over `rounds` rounds; a round runs through the calls in turn
-    (continuing where the last stopped) until all ran once or `round_s` passed. The
-    minimum, not the mean: on a shared machine a call whose OpenMP threads were
-    descheduled takes a scheduler quantum (milliseconds) longer, which says nothing about
-    the kernel; every copy is cold when its turn comes, so the minimum is not a cache hit. When the faster of the first two calls is slower than
-    give_up_ms, that is returned at once (a path far behind the best)."""
-    first = math.inf
-    for j in range(min(2, len(calls))):  # two, so that one descheduled call is not decisive
-        t = time.perf_counter()
-        calls[j]()
-        first = min(first, (time.perf_counter() - t) * 1e3)
-    if first > give_up_ms:
-        return first
-    times, i = [], 2
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(len(calls)):
-            t = time.perf_counter()
-            calls[i % len(calls)]()
-            i += 1
-            times.append(time.perf_counter() - t)
-            if t - start >= round_s:
-                break
-    return min(times) * 1e3
+def measure_ms(calls: Mapping[str, Sequence[Callable[[], object]]], *, rounds: int = 5,
+               round_s: float = 0.005) -> dict[str, float]:
+    """Each path's fastest call in ms. The paths take turns, round by round, so that a
+    spell of contention on a shared machine hits them alike; a path's round runs through
+    its calls (continuing where its last round stopped) until all ran once or `round_s`
+    passed. The minimum, not the mean: a call whose OpenMP threads were descheduled takes a
+    scheduler quantum (milliseconds) longer, which says nothing about the kernel; every
+    copy is cold when its turn comes, so the minimum is not a cache hit. After the first
+    round, paths over 4x slower than the best stop being timed.
+
+    calls: path name -> calls on distinct copies of the weight.
+    """
+    best = {n: math.inf for n in calls}
+    turn = {n: 0 for n in calls}
+    alive = list(calls)
+    for r in range(rounds + 1):  # round 0: each path's first calls (warm-up included)
+        for n in alive:
+            cs = calls[n]
+            start = time.perf_counter()
+            for _ in range(len(cs) if r else min(2, len(cs))):
+                t = time.perf_counter()
+                cs[turn[n] % len(cs)]()
+                turn[n] += 1
+                best[n] = min(best[n], time.perf_counter() - t)
+                if time.perf_counter() - start >= round_s:
+                    break
+        if r == 1:
+            lead = min(best[n] for n in alive)
+            alive = [n for n in alive if best[n] <= 4 * lead]
+    return {n: v * 1e3 for n, v in best.items()}
 
 
-def default_timer(path: LinearPath, cls: str, rows: int,
-                  make_calls: Callable[[], Sequence[Callable[[], object]]],
-                  give_up_ms: float = math.inf) -> float:
-    """``measure_ms`` of the calls (the path and class only label them)."""
-    return measure_ms(make_calls(), give_up_ms=give_up_ms)
+def default_timer(cls: str, rows: int,
+                  makers: Mapping[str, Callable[[], Sequence[Callable[[], object]]]]
+                  ) -> dict[str, float]:
+    """``measure_ms`` of each path's calls (the class and rows only label them)."""
+    return measure_ms({name: make() for name, make in makers.items()})
 
 
 def cache_key() -> str:
@@ -236,32 +241,31 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                              f"{cls} {tuple(weight.shape)}: {errors[cls]}")
         table[cls], picked = [], []
         copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
-        order = list(correct)
         for b, rows in enumerate(BUCKETS):
             if cls == LM_HEAD and b == len(BUCKETS) - 1:
                 table[cls].append(dict(table[cls][-1]))
                 picked.append(picked[-1])
                 continue
-            x = torch.randn(rows, weight.shape[1])
-            row: dict[str, float] = {}
             err = {n: e[0 if rows == 1 else 1] for n, e in errors[cls].items()}
-            for p in order:  # the last bucket's fastest first: losers give up early
-                if err[p.name] > bound:
-                    continue
-                key = (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
-                       f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
-                if key not in timings:
-                    def make(p: LinearPath = p, x: torch.Tensor = x) -> list[Callable[[], object]]:
-                        if p.name not in copies:
-                            copies[p.name] = bound_copies(p, lw)
-                        # compute-bound above 16 rows: two copies are enough
-                        fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
-                        return [lambda f=f: f(x) for f in fns]
-                    give_up = 4 * min(row.values(), default=math.inf)
-                    timings[key] = (timer or default_timer)(p, cls, rows, make, give_up)
-                row[p.name] = timings[key]
-            table[cls].append({p.name: row[p.name] for p in correct if p.name in row})
-            order.sort(key=lambda p: row.get(p.name, math.inf))
+            keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
+                             f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
+                    for p in correct if err[p.name] <= bound}
+            missing = [p for p in correct if p.name in keys and keys[p.name] not in timings]
+            if missing:
+                x = torch.randn(rows, weight.shape[1])
+
+                def make(p: LinearPath, x: torch.Tensor = x) -> list[Callable[[], object]]:
+                    if p.name not in copies:
+                        copies[p.name] = bound_copies(p, lw)
+                    # compute-bound above 16 rows: two copies are enough
+                    fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
+                    return [lambda f=f: f(x) for f in fns]
+
+                got = (timer or default_timer)(cls, rows, {p.name: functools.partial(make, p)
+                                                           for p in missing})
+                timings.update({keys[p.name]: got[p.name] for p in missing})
+            row = {n: timings[k] for n, k in keys.items()}
+            table[cls].append(row)
             choice = pick(table[cls][-1], err, bound)
             assert choice is not None, f"{cls}: a correct path went untimed"
             picked.append(choice)
