@@ -9,116 +9,41 @@ reference machine (``scripts/bench --engine-only --cpu-decode-kernel cpp,sdpa``,
 int8, contexts of about 300 tokens) a decode step's attention took 10.7 ms
 instead of 25.9 at 16 sequences and 38.3 instead of 100.8 at 64.
 
-Source: ``kernels/csrc/decode_attention_cpu.cpp``. It is compiled once per
-machine with the system C++ compiler (``$CXX``, default ``g++``) into
-``$CONVEYOR_CACHE_DIR/kernels`` (default ``$XDG_CACHE_HOME/conveyor/kernels``,
-i.e. ``~/.cache/conveyor/kernels``) under a name hashed
-from the source, the flags, the compiler's version and the CPU's flags, and
-loaded with ctypes (no torch headers: it builds in about a second). It uses
-OpenMP through the ``libgomp.so.1`` torch has already loaded, so torch and the
-kernel share one thread pool.
+Source: ``kernels/csrc/decode_attention_cpu.cpp``, built once per machine with
+``-march=native`` by ``kernels.cpu_build`` (g++ on first use, cached under
+``$CONVEYOR_CACHE_DIR/kernels``, loaded with ctypes, torch's OpenMP pool shared).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
+
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-"""Compile flags. -ffast-math lets the softmax's exp vectorise (glibc's libmvec). It is
-given to the compile step only: at link time it would add crtfastmath.o, whose constructor
-sets flush-to-zero / denormals-are-zero for the whole process when the library loads and
-so would change torch's numerics too."""
-LINK_FLAGS = ("-shared", "-fopenmp")
+"""Compile flags. -ffast-math lets the softmax's exp vectorise (glibc's libmvec); it is given
+to the compile step only (see ``kernels.cpu_build.CppKernel``)."""
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GQA_GROUP = 64
 
-
-class KernelBuildError(RuntimeError):
-    """The C++ kernel could not be compiled or loaded (no compiler, a compile error, ...)."""
-
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: KernelBuildError | None = None
+__all__ = ["KernelBuildError", "LIBRARY", "build_problem", "decode_attention_cpu",
+           "kernel_available", "load_kernel", "supports"]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor")
-    return Path(root) / "kernels"
+def _setup(lib: ctypes.CDLL) -> None:
+    fn = lib.conveyor_decode_attention_f32
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
+                   ctypes.c_float, i32]
+    fn.restype = i32
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(cxx: str) -> Path:
-    """Compile SOURCE unless a build for this source, compiler and CPU is cached.
-
-    cxx: the compiler command, possibly with a wrapper or arguments ("ccache g++").
-    """
-    words = shlex.split(cxx)
-    found = shutil.which(words[0]) if words else None
-    if found is None:
-        raise KernelBuildError(f"C++ compiler {cxx!r} not found (set CXX or install g++)")
-    compiler = [found, *words[1:]]
-    try:
-        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"{cxx} --version failed: {e}") from e
-    source = SOURCE.read_bytes()
-    flags = " ".join(CXX_FLAGS) + " | " + " ".join(LINK_FLAGS)
-    key = hashlib.sha256(b"\0".join([source, flags.encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    out_dir = _cache_dir()
-    target = out_dir / f"decode_attention_cpu-{key}.so"
-    if target.exists():
-        return target
-    # Build beside the target and rename: concurrent builders (several servers) never
-    # load a half-written library.
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-    except OSError as e:
-        raise KernelBuildError(f"cannot write the kernel build to {out_dir} ({e}); "
-                               "set CONVEYOR_CACHE_DIR to a writable folder") from e
-    obj = tmp[:-3] + ".o"
-    try:
-        for cmd in ([*compiler, *CXX_FLAGS, "-c", str(SOURCE), "-o", obj],
-                    [*compiler, *LINK_FLAGS, obj, "-o", tmp]):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise KernelBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
-                                       f"{proc.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o644)  # mkstemp made it 0600: let others sharing the cache load it
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"building {SOURCE.name} failed: {e}") from e
-    finally:
-        for path in (tmp, obj):
-            if os.path.exists(path):
-                os.unlink(path)
-    return target
+LIBRARY = KernelLibrary(CppKernel("decode_attention_cpu", SOURCE, CXX_FLAGS), _setup)
+"""The kernel's library, built and loaded on first use (``LIBRARY.reset(error)`` in tests)."""
 
 
 def load_kernel() -> ctypes.CDLL:
@@ -128,28 +53,7 @@ def load_kernel() -> ctypes.CDLL:
         KernelBuildError: no compiler, a compile error, or the library does not load.
             The failure is remembered: later calls raise it again without rebuilding.
     """
-    global _lib, _error
-    with _lock:
-        if _lib is not None:
-            return _lib
-        if _error is not None:
-            raise _error
-        try:
-            path = _build(os.environ.get("CXX", "g++"))
-            lib = ctypes.CDLL(str(path))
-        except KernelBuildError as e:
-            _error = e
-            raise
-        except OSError as e:
-            _error = KernelBuildError(f"loading the decode attention kernel failed: {e}")
-            raise _error from e
-        fn = lib.conveyor_decode_attention_f32
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
-                       ctypes.c_float, i32]
-        fn.restype = i32
-        _lib = lib
-        return lib
+    return LIBRARY.load()
 
 
 def kernel_available() -> bool:
@@ -159,11 +63,7 @@ def kernel_available() -> bool:
 
 def build_problem() -> str | None:
     """Why the kernel cannot be built or loaded here, or None when it can."""
-    try:
-        load_kernel()
-    except KernelBuildError as e:
-        return str(e)
-    return None
+    return LIBRARY.problem()
 
 
 def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -109,6 +109,7 @@ def plan_cpu_attention(
     kv_bytes_per_token: int,
     group_bytes: int = DEFAULT_GROUP_BYTES,
     decode_kernel: str = "sdpa",
+    all_rows: bool = False,
 ) -> CpuAttentionPlan:
     """Plan one step's attention (host-side work, once per step for all layers).
 
@@ -125,6 +126,10 @@ def plan_cpu_attention(
         group_bytes: gathered K+V bytes per decode group (at least one sequence a group).
         decode_kernel: "sdpa" (decodes gathered in groups, SDPA) or "cpp" (all decodes
             in one ``KernelDecodes`` for ``kernels.decode_attention_cpu``).
+        all_rows: with "cpp", prefill rows too go through the C++ kernel, each as a decode
+            over its own causal prefix (no SDPA): a row's output then depends only on its
+            query, its context's K/V and its position, never on how the prompt was chunked
+            or what else is in the step (batch-invariant mode).
 
     Returns:
         The plan; its tensors live on block_tables' device.
@@ -141,6 +146,8 @@ def plan_cpu_attention(
         )
     if decode_kernel not in ("sdpa", "cpp"):
         raise ValueError(f"decode_kernel must be 'sdpa' or 'cpp', got {decode_kernel!r}")
+    if all_rows and decode_kernel != "cpp":
+        raise ValueError("all_rows needs decode_kernel 'cpp'")
     if block_size < 1 or kv_bytes_per_token < 1 or group_bytes < 1:
         raise ValueError(
             f"block_size ({block_size}), kv_bytes_per_token ({kv_bytes_per_token}) and "
@@ -163,6 +170,9 @@ def plan_cpu_attention(
             )
         if n == 1:
             decodes.append((row, b, ctx))
+        elif n > 1 and all_rows:
+            # E.g. ctx 5, n 2: rows attend as decodes at contexts 4 and 5
+            decodes.extend((row + i, b, ctx - n + 1 + i) for i in range(n))
         elif n > 1:
             start = ctx - n
             mask = None
@@ -176,10 +186,11 @@ def plan_cpu_attention(
     if decode_kernel == "cpp":
         kernel = None
         if decodes:
+            seqs = [b for _, b, _ in decodes]
             kernel = KernelDecodes(
                 rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.int64, device=device),
-                block_tables=(tables if len(decodes) == num_seqs else tables[
-                    torch.tensor([b for _, b, _ in decodes], device=device)]).contiguous(),
+                block_tables=(tables if seqs == list(range(num_seqs)) else tables[
+                    torch.tensor(seqs, device=device)]).contiguous(),
                 seq_lens=torch.tensor([c for _, _, c in decodes], dtype=torch.int64,
                                       device=device))
         return CpuAttentionPlan(row, (), tuple(prefills), False, kernel)

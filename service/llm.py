@@ -28,8 +28,8 @@ class LLM:
 
     Args:
         model: model path (None: the embedded default); device, attention_backend, dtype,
-            cpu_decode_kernel, quantization as for `conveyor serve`; num_kv_blocks,
-            max_num_seqs, max_num_batched_tokens, enable_prefix_caching: engine limits;
+            cpu_decode_kernel, quantization, batch_invariant as for `conveyor serve`;
+            num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching: engine limits;
             loaded: a checkpoint already in memory; config: a whole EngineConfig instead
             of the keyword settings; runner: a ready runner (tests: fakes).
     """
@@ -37,14 +37,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  attention_backend: str = "auto", dtype: str = "float32",
                  cpu_decode_kernel: str = "auto", quantization: str | None = None,
-                 num_kv_blocks: int | None = 1024, max_num_seqs: int = 32,
+                 batch_invariant: bool = False, num_kv_blocks: int | None = 1024,
+                 max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                  loaded: Any = None, config: EngineConfig | None = None,
                  runner: Any = None) -> None:
         self.config = config or EngineConfig(
             model=ModelConfig(model=model, device=device, attention_backend=attention_backend,
                               dtype=dtype, cpu_decode_kernel=cpu_decode_kernel,
-                              quantization=quantization),
+                              quantization=quantization, batch_invariant=batch_invariant),
             cache=CacheConfig(num_kv_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,

@@ -42,6 +42,7 @@ from service.detokenizer import IncrementalDetokenizer
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model import SectionTimer
 from service.worker.model_runner import ModelRunner
+from service.worker.quantization.paths import machine_note
 from service.core.engine_core import EngineCore
 from service.core.request import Request
 
@@ -222,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="none", metavar="LIST",
-                   help="comma-separated variants among none, int8 (e.g. none,int8)")
+                   help="comma-separated variants among none, int8, int4 (e.g. none,int8,int4)")
+    p.add_argument("--batch-invariant", default="off", metavar="LIST",
+                   help="comma-separated variants among off, on (e.g. off,on to measure what "
+                        "--batch-invariant costs)")
     p.add_argument("--cpu-decode-kernel", default="auto", metavar="LIST",
                    help="comma-separated decode attention kernels among auto, cpp, sdpa "
                         "(e.g. cpp,sdpa to compare them side by side)")
@@ -261,13 +265,13 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str]],
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str, bool]],
                                           list[int | str], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
     for q in a.quantization.split(","):
-        if q.strip() not in ("none", "int8"):
-            raise ValueError(f"--quantization values must be none or int8, got {q!r}")
+        if q.strip() not in ("none", "int8", "int4"):
+            raise ValueError(f"--quantization values must be none, int8 or int4, got {q!r}")
         quants.append(None if q.strip() == "none" else q.strip())
     kernels = [k.strip() for k in a.cpu_decode_kernel.split(",")]
     if any(k not in ("auto", "cpp", "sdpa") for k in kernels) or len(set(kernels)) < len(kernels):
@@ -275,7 +279,11 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
                          f"got {a.cpu_decode_kernel!r}")
     if "auto" in kernels and len(kernels) > 1:  # auto is cpp or sdpa: it would repeat one
         raise ValueError("--cpu-decode-kernel auto cannot be listed with cpp or sdpa")
-    models = [(q, k) for q in quants for k in kernels]
+    invariant = [b.strip() for b in a.batch_invariant.split(",")]
+    if any(b not in ("off", "on") for b in invariant) or len(set(invariant)) < len(invariant):
+        raise ValueError(f"--batch-invariant values must be distinct among off, on, got "
+                         f"{a.batch_invariant!r}")
+    models = [(q, k, b == "on") for q in quants for k in kernels for b in invariant]
     threads: list[int | str] = [default_num_threads()]
     if a.threads:
         auto = [t.strip() for t in a.threads.split(",")].count("auto")
@@ -323,17 +331,18 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = _text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[tuple[str | None, str], ModelRunner] = {}
-    for q, k in models:
+    runners: dict[tuple[str | None, str, bool], ModelRunner] = {}
+    for q, k, bi in models:
         cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
-                                             adaptive_threads=False),
+                                             batch_invariant=bi, adaptive_threads=False),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
-        runners[(q, k)] = ModelRunner(cfg, loaded)
+        runners[(q, k, bi)] = ModelRunner(cfg, loaded)
 
-    def label(m: tuple[str | None, str], t: int | str) -> str:
-        # e.g. "int8/cpp/2t" or "fp32/cpp/auto"; the kernel is the one "auto" resolved to
-        return f"{m[0] or 'fp32'}/{runners[m].decode_kernel}/{t}{'t' if t != 'auto' else ''}"
+    def label(m: tuple[str | None, str, bool], t: int | str) -> str:
+        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto"; the kernel is the one "auto" resolved to
+        return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}/"
+                f"{t}{'t' if t != 'auto' else ''}")
 
     tuning: dict[str, dict[str, list]] = {}
 
@@ -341,7 +350,7 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
                                                    for sc in scenarios}
     with CpuHog(a.cpu_hog):  # the neighbours run for the whole measurement, then stop
         for sc in scenarios:
-            live: dict[tuple[str | None, str], _DecodeRun | _PrefillRun] = {}
+            live: dict[tuple[str | None, str, bool], _DecodeRun | _PrefillRun] = {}
             # "auto": one tuner per model variant and scenario, kept across the rounds; it
             # also runs the untimed prefill and warm-up steps (its start-up probe)
             tuners = {m: ThreadTuner(default_num_threads()) for m in models}
@@ -367,18 +376,26 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "isa": machine_note(),
                     "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                     "cpu_hogs": a.cpu_hog,
                     "omp_env": {k: os.environ.get(k) for k in OMP_ENV},
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "linear_paths_env": os.environ.get("CONVEYOR_LINEAR_PATHS"),
+        "linear_kernels": {label(m, threads[0]): (runners[m].linear_plan.summary()
+                                                  if runners[m].linear_plan else "fp32 F.linear")
+                           for m in models},
         "results": results,
         "thread_tuning": tuning,  # "auto" variants: (time s, from, to, time ratio) decisions
     }
     print(f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           f"(1 min); torch {torch.__version__}; {len(os.sched_getaffinity(0))} cores "
-          f"({torch.backends.cpu.get_cpu_capability()}); {a.cpu_hog} CPU hog(s); "
-          + ", ".join(f"{k}={os.environ.get(k, '-')}" for k in OMP_ENV))
+          f"({torch.backends.cpu.get_cpu_capability()}; {machine_note()}); {a.cpu_hog} CPU "
+          "hog(s); " + ", ".join(f"{k}={os.environ.get(k, '-')}" for k in OMP_ENV))
+    for m in models:
+        if runners[m].linear_plan is not None:
+            print(f"{label(m, threads[0])}: {runners[m].linear_plan.summary()}")
     print(_format(results))
     print("tok/s, steps/s, ms/step: median over rounds of each round's median step; "
           "sections: mean ms per step")

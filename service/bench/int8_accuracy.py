@@ -1,13 +1,14 @@
-"""Accuracy of `--quantization int8` against fp32 (the oracle), on real prompts and text.
+"""Accuracy of `--quantization int8` / `int4` against fp32 (the oracle), on real prompts and text.
 
-    python -m service.bench.int8_accuracy                  # 20 prompts x 64 tokens, perplexity
-    python -m service.bench.int8_accuracy --json int8.json
+    python -m service.bench.int8_accuracy                  # int8: 20 prompts x 64 tokens, perplexity
+    python -m service.bench.int8_accuracy --mode int4 --json int4.json
 
-Measures, on the same loaded checkpoint:
+Measures, on the same loaded checkpoint (the quantized model's linear kernels chosen by
+measurement on this machine, as the server does; the JSON records the choice):
 - greedy agreement: 20 prompts (10 chat questions through the chat template, 10 text
-  openings), 64 greedy tokens each from fp32 and from int8: how many leading tokens are
+  openings), 64 greedy tokens each from fp32 and from the mode: how many leading tokens are
   identical, and how many prompts agree over all 64;
-- teacher-forced top-1 agreement: along fp32's greedy continuation, how often int8's
+- teacher-forced top-1 agreement: along fp32's greedy continuation, how often the mode's
   argmax is fp32's (per-step agreement, free of the compounding of one divergence);
 - perplexity of both on about 2,600 tokens of English prose (service.bench.texts,
   written for Conveyor), computed through the engine's own chunked prefill, and the
@@ -34,9 +35,10 @@ from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 def make_runner(loaded: LoadedModel, quantization: str | None,
-                num_kv_blocks: int = 1024) -> ModelRunner:
-    """A CPU runner over `loaded` with dense (None) or "int8" linear layers."""
-    cfg = EngineConfig(model=ModelConfig(quantization=quantization),
+                num_kv_blocks: int = 1024, batch_invariant: bool = False) -> ModelRunner:
+    """A CPU runner over `loaded` with dense (None), "int8" or "int4" linear layers."""
+    cfg = EngineConfig(model=ModelConfig(quantization=quantization,
+                                         batch_invariant=batch_invariant),
                        cache=CacheConfig(num_kv_blocks=num_kv_blocks, swap_space=0))
     return ModelRunner(cfg, loaded)
 
@@ -101,34 +103,46 @@ def prompt_set(loaded: LoadedModel, count: int = 20) -> list[list[int]]:
     return out
 
 
-def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64) -> dict[str, object]:
-    """All figures of the module docstring, fp32 vs int8."""
-    from service.bench.texts import PASSAGES
+def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
+            mode: str = "int8") -> dict[str, object]:
+    """All figures of the module docstring, fp32 vs `mode` ("int8" or "int4")."""
+    import platform
 
-    fp32, int8 = make_runner(loaded, None), make_runner(loaded, "int8")
+    from kernels.cpu_build import cpu_flags
+    from service.bench.texts import PASSAGES
+    from service.worker.quantization.paths import machine_note
+
+    fp32, quant = make_runner(loaded, None), make_runner(loaded, mode)
+    plan = quant.linear_plan
     prompts = prompt_set(loaded, num_prompts)
     ref = greedy(fp32, prompts, max_tokens)
-    got = greedy(int8, prompts, max_tokens)
+    got = greedy(quant, prompts, max_tokens)
     lead = [leading_agreement(r, g) for r, g in zip(ref, got)]
     forced_agree = forced_total = 0
     for p, r in zip(prompts, ref):
         seq = list(p) + r[:-1]  # logits at these positions predict r
         a = all_logits(fp32, seq)[len(p) - 1:]
-        b = all_logits(int8, seq)[len(p) - 1:]
+        b = all_logits(quant, seq)[len(p) - 1:]
         forced_agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         forced_total += a.shape[0]
     text = loaded.tokenizer.encode("\n\n".join(PASSAGES), add_special_tokens=False)
-    la, lb = all_logits(fp32, text), all_logits(int8, text)
+    la, lb = all_logits(fp32, text), all_logits(quant, text)
     cosine = torch.nn.functional.cosine_similarity(la, lb, dim=-1)
+    flags = cpu_flags()
     return {
-        "prompts": len(prompts), "max_tokens": max_tokens,
+        "mode": mode, "prompts": len(prompts), "max_tokens": max_tokens,
+        "machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "avx512": "avx512f" in flags, "vnni": machine_note(),
+                    "processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads()},
+        "linear_kernels": dict(plan.choices) if plan is not None else None,
         "greedy_identical_prompts": sum(n == max_tokens for n in lead),
         "greedy_leading_agreement_mean": statistics.fmean(lead),
         "greedy_leading_agreement_median": statistics.median(lead),
         "greedy_leading_agreement": lead,
         "teacher_forced_top1_agreement": forced_agree / forced_total,
         "text_tokens": len(text),
-        "perplexity_fp32": perplexity(la, text), "perplexity_int8": perplexity(lb, text),
+        "perplexity_fp32": perplexity(la, text), f"perplexity_{mode}": perplexity(lb, text),
         "logits_cosine_mean": float(cosine.mean()), "logits_cosine_min": float(cosine.min()),
     }
 
@@ -136,20 +150,24 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64)
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.bench.int8_accuracy",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", default="int8", choices=["int8", "int4"],
+                   help="the --quantization to compare with fp32")
     p.add_argument("--prompts", type=int, default=20, metavar="N")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--json", default=None, metavar="PATH")
     a = p.parse_args(sys.argv[1:] if argv is None else list(argv))
     if a.prompts < 2 or a.max_tokens < 1:
-        print("int8 accuracy: --prompts must be >= 2 and --max-tokens >= 1", file=sys.stderr)
+        print("accuracy: --prompts must be >= 2 and --max-tokens >= 1", file=sys.stderr)
         return 2
-    r = measure(load_model(None, torch.float32), num_prompts=a.prompts, max_tokens=a.max_tokens)
+    r = measure(load_model(None, torch.float32), num_prompts=a.prompts, max_tokens=a.max_tokens,
+                mode=a.mode)
     print(f"greedy, {r['prompts']} prompts x {r['max_tokens']} tokens: "
           f"{r['greedy_identical_prompts']} identical; leading agreement mean "
           f"{r['greedy_leading_agreement_mean']:.1f}, median {r['greedy_leading_agreement_median']}")
     print(f"teacher-forced top-1 agreement: {100 * r['teacher_forced_top1_agreement']:.1f}%")
     print(f"perplexity on {r['text_tokens']} tokens: fp32 {r['perplexity_fp32']:.3f}, "
-          f"int8 {r['perplexity_int8']:.3f}; logits cosine mean {r['logits_cosine_mean']:.5f}, "
+          f"{a.mode} {r[f'perplexity_{a.mode}']:.3f}; logits cosine mean "
+          f"{r['logits_cosine_mean']:.5f}, "
           f"min {r['logits_cosine_min']:.5f}")
     if a.json:
         with open(a.json, "w") as f:

@@ -51,8 +51,10 @@ class ModelConfig:
     device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
     attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
-    quantization: None (dense weights, the default and the correctness oracle) or "int8"
-        (linear layers in int8 with torch's fbgemm kernels; CPU, dtype float32).
+    quantization: None (dense weights, the default and the correctness oracle), "int8" (int8
+        weights; each layer and row count served by the fastest correct of our C++ kernels,
+        fbgemm's dynamic int8, torch._int_mm and fp32, measured on the machine) or "int4"
+        (4-bit group-wise weights, our C++ kernels). CPU, dtype float32.
     cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
@@ -68,6 +70,10 @@ class ModelConfig:
         model's generation_config.json, else its model card's recommendation), "vllm"
         (neutral: temperature 1, top_p 1) or a PATH (a folder with
         generation_config.json, or the file); see service/generation_config.py.
+    batch_invariant: a request's output the same bits whatever else runs in its step and
+        whatever came from the prefix cache: every linear layer through our row-invariant
+        C++ kernels and every attention row through the C++ decode kernel (CPU, float32,
+        cpu_decode_kernel auto or cpp). Slower; see README.
     """
 
     model: str | None = option(
@@ -82,9 +88,10 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context cap in tokens, prompt + output",
                                        metavar="TOKENS")
     quantization: str | None = option(
-        None, "int8: linear layers in int8 (torch's dynamic quantization, fbgemm; CPU, "
-        "float32 only); none: dense weights, the default", choices=("none", "int8"),
-        none="none")
+        None, "linear layers (CPU, float32 only): int8 weights (the fastest correct of our C++ "
+        "kernels, fbgemm, torch._int_mm and fp32, measured per machine and row count), int4 "
+        "(4-bit weights in groups of 32, our C++ kernels); none: dense fp32 weights, the "
+        "default", choices=("none", "int8", "int4"), none="none")
     cpu_decode_kernel: str = option(
         "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
         "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
@@ -101,6 +108,10 @@ class ModelConfig:
         "(SmolLM2 Instruct: temperature 0.2, top_p 0.9); vllm = neutral (temperature 1, "
         "top_p 1); PATH = a folder with generation_config.json, or the file",
         metavar="auto|vllm|PATH")
+    batch_invariant: bool = option(
+        False, "a request's output does not depend on what else runs in its step or on "
+        "prefix-cache hits: every linear layer and all attention through our row-invariant "
+        "C++ kernels (CPU, float32); slower")
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
@@ -119,13 +130,19 @@ class ModelConfig:
                "num_threads", "None or an int >= 1", self.num_threads)
         _check(isinstance(self.adaptive_threads, bool), "adaptive_threads", "a bool",
                self.adaptive_threads)
-        _check(self.quantization in (None, "int8"), "quantization", 'None or "int8"',
-               self.quantization)
         _check(isinstance(self.generation_config, str) and self.generation_config != "",
                "generation_config", '"auto", "vllm" or a path', self.generation_config)
+        _check(self.quantization in (None, "int8", "int4"), "quantization",
+               'None, "int8" or "int4"', self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
                "quantization", 'None unless dtype is "float32" and device "cpu"',
                self.quantization)
+        _check(not self.batch_invariant or (self.dtype == "float32" and self.device == "cpu"
+                                            and self.attention_backend != "triton"
+                                            and self.cpu_decode_kernel != "sdpa"),
+               "batch_invariant", 'False unless dtype is "float32", device "cpu", '
+               'attention_backend not "triton" and cpu_decode_kernel not "sdpa"',
+               self.batch_invariant)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 The model knows nothing of requests, blocks or scheduling: it gets token ids,
 positions and the attention metadata of one step, and reads and writes the
 per-layer KV cache tensors it is handed. Weights are fused once at load (q|k|v and
-gate|up) in the `[out, in]` layout that `F.linear` reads fastest; `quantize_int8`
-turns them into int8 layers after a calibration pass (`service.worker.quantization`).
+gate|up) in the `[out, in]` layout that `F.linear` reads fastest; `quantize` replaces
+each by the linear layer a quantization plan builds (`service.worker.quantization`), after
+folding SmoothQuant factors where the plan quantizes activations.
 
 Two kernel paths:
 - Triton (CUDA): every kernel through one `KernelOps` (`kernels.select_ops`).
@@ -19,7 +20,7 @@ Two kernel paths:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,8 +31,8 @@ from kernels import KernelOps
 from kernels.paged_attention import AttentionWork
 from kernels.paged_attention_cpu import CpuAttentionPlan, cpu_paged_attention
 from service.worker.loader import LoadedModel
-from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear, Linear,
-                                  smoothing_factors)
+from service.worker.quantization import AmaxObserver, DenseLinear, Linear
+from service.worker.quantization.smoothing import fold_smoothing
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class LlamaModel:
     Args:
         loaded: config and HF-named weights from `service.worker.loader.load_model`.
         ops: the kernels to use.
-        device, dtype: where and in what the weights live (dense; see `quantize_int8`).
+        device, dtype: where and in what the weights live (dense; see `quantize`).
     """
 
     def __init__(self, loaded: LoadedModel, ops: KernelOps, device: torch.device,
@@ -114,7 +115,7 @@ class LlamaModel:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
         self.max_position = int(cfg.max_position_embeddings)
-        self.quantization: str | None = None  # "int8" after quantize_int8()
+        self.quantization: str | None = None  # "int8" / "int4" after quantize()
         # The torch path's fused fp32 ops (see the module docstring).
         self.lean = ops.name == "torch" and dtype == torch.float32
 
@@ -171,59 +172,56 @@ class LlamaModel:
                 for n in names:
                     setattr(layer, n, obs[n].inner)
 
-    def quantize_int8(self, observed: list[dict[str, AmaxObserver]]) -> None:
-        """Replace the dense linear layers (LM head included) by int8 ones, SmoothQuant-ed.
+    def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per linear shape class ("qkv", "o", "gate_up", "down", "lm_head"): the first
+        layer's dense weight [N, K] and bias [N] or None (what kernel choice times)."""
+        first = self.layers[0]
+        out = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")}
+        out["lm_head"] = self.lm_head
+        for n, lin in out.items():
+            if not isinstance(lin, DenseLinear):
+                raise ValueError(f"{n} is already quantized")
+        return {n: (lin.weight, lin.bias) for n, lin in out.items()}
 
-        observed: from `observe_linear_inputs` after a forward over calibration text.
-        Per layer, each smoothing factor s is folded where it cancels exactly:
-            qkv input     = rms_norm(h) * ln1_w  -> ln1_w / s, qkv columns * s
-            gate_up input = rms_norm(h) * ln2_w  -> ln2_w / s, gate_up columns * s
-            down input    = silu(gate) * up      -> up rows / s, down columns * s
-            o input       = attention(v)         -> v rows / s, o columns * s, one s per
-                            V channel shared by the Hq / Hkv query heads reading it.
-        The down projection and the LM head quantize activations per token.
+    def quantize(self, make_linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear],
+                 mode: str | None, observed: list[dict[str, AmaxObserver]] | None = None,
+                 smooth: Collection[str] = ()) -> None:
+        """Replace every dense linear layer (LM head included) by
+        ``make_linear(class, weight, bias)``, after folding SmoothQuant factors into the
+        inputs of the classes in `smooth` (those served by activation-quantizing paths).
+
+        mode: the model's quantization label afterwards (None: still fp32 weights).
+        observed: from `observe_linear_inputs` after a forward over calibration text
+            (needed when `smooth` is not empty). The folding: ``fold_smoothing``. The LM
+            head (tied to the embedding) is never smoothed.
 
         Raises:
-            ValueError: the model is not dense fp32 on the CPU, or a layer saw no input.
+            ValueError: the model is not dense fp32 on the CPU, or a smoothed layer saw no
+                calibration input.
         """
         if self.quantization is not None or self.embed.dtype != torch.float32 or \
-                self.embed.device.type != "cpu":
-            raise ValueError("int8 quantization needs a dense float32 model on the CPU")
-        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        G = Hq // Hkv
-        for i, (layer, obs) in enumerate(zip(self.layers, observed)):
-            if any(o.amax is None for o in obs.values()):
-                raise ValueError(f"layer {i}: no calibration input was observed")
-            qkv, o, gate_up, down = (obs[n].inner for n in ("qkv", "o", "gate_up", "down"))
-            qkv_w, o_w = qkv.weight.clone(), o.weight.clone()
-            gate_up_w, down_w = gate_up.weight.clone(), down.weight.clone()
-            qkv_b = None if qkv.bias is None else qkv.bias.clone()
-            ln1_w, ln2_w = layer.ln1_w.clone(), layer.ln2_w.clone()
-            s = smoothing_factors(obs["qkv"].amax, qkv_w.abs().amax(0))
-            ln1_w /= s
-            qkv_w *= s
-            s = smoothing_factors(obs["gate_up"].amax, gate_up_w.abs().amax(0))
-            ln2_w /= s
-            gate_up_w *= s
-            s = smoothing_factors(obs["down"].amax, down_w.abs().amax(0))
-            gate_up_w[gate_up_w.shape[0] // 2:] /= s[:, None]  # the up half
-            down_w *= s
-            # [Hq D] -> [Hkv, G, D] -> max over the G heads that share a V channel
-            s = smoothing_factors(obs["o"].amax.view(Hkv, G, D).amax(1).reshape(-1),
-                                  o_w.abs().amax(0).view(Hkv, G, D).amax(1).reshape(-1))
-            o_w *= s.view(Hkv, 1, D).expand(Hkv, G, D).reshape(-1)
-            v_rows = slice((Hq + Hkv) * D, (Hq + 2 * Hkv) * D)
-            qkv_w[v_rows] /= s[:, None]
-            if qkv_b is not None:
-                qkv_b[v_rows] /= s
-            layer.qkv = Int8Linear(qkv_w, qkv_b)
-            layer.o = Int8Linear(o_w)
-            layer.gate_up = Int8Linear(gate_up_w)
-            layer.down = Int8Linear(down_w, per_token=True)
-            layer.ln1_w, layer.ln2_w = ln1_w, ln2_w
-        assert isinstance(self.lm_head, DenseLinear)
-        self.lm_head = Int8Linear(self.lm_head.weight, self.lm_head.bias, per_token=True)
-        self.quantization = "int8"
+                self.embed.device.type != "cpu" or not isinstance(self.lm_head, DenseLinear):
+            raise ValueError("quantization needs a dense float32 model on the CPU")
+        smooth = frozenset(smooth) - {"lm_head"}
+        if smooth and observed is None:
+            raise ValueError(f"smoothing {sorted(smooth)} needs observed calibration inputs")
+        for i, layer in enumerate(self.layers):
+            obs = observed[i] if observed is not None else {}
+            inner = {n: obs[n].inner if n in obs else getattr(layer, n)
+                     for n in ("qkv", "o", "gate_up", "down")}
+            w = fold_smoothing(
+                {"qkv_w": inner["qkv"].weight, "qkv_b": inner["qkv"].bias,
+                 "o_w": inner["o"].weight, "gate_up_w": inner["gate_up"].weight,
+                 "down_w": inner["down"].weight, "ln1_w": layer.ln1_w, "ln2_w": layer.ln2_w},
+                {n: o.amax for n, o in obs.items()}, smooth,
+                self.num_heads, self.num_kv_heads, self.head_dim, where=f"layer {i}")
+            layer.qkv = make_linear("qkv", w["qkv_w"], w["qkv_b"])
+            layer.o = make_linear("o", w["o_w"], None)
+            layer.gate_up = make_linear("gate_up", w["gate_up_w"], None)
+            layer.down = make_linear("down", w["down_w"], None)
+            layer.ln1_w, layer.ln2_w = w["ln1_w"], w["ln2_w"]
+        self.lm_head = make_linear("lm_head", self.lm_head.weight, self.lm_head.bias)
+        self.quantization = mode
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token over all layers."""

@@ -22,6 +22,7 @@ from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model import AttentionMetadata, LlamaModel, SectionTimer
 from service.worker.quantization import calibration_token_ids
+from service.worker.quantization.plan import LinearPlan
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -63,12 +64,15 @@ class ModelRunner:
         self.thread_tuner: ThreadTuner | None = (
             ThreadTuner(threads) if self.device.type == "cpu" and mc.adaptive_threads
             and threads > 1 else None)
-        if mc.cpu_decode_kernel == "cpp" and self.device.type == "cpu":
+        # Batch invariance runs every attention row through the C++ decode kernel.
+        decode_setting = "cpp" if mc.batch_invariant else mc.cpu_decode_kernel
+        self.batch_invariant = mc.batch_invariant
+        if decode_setting == "cpp" and self.device.type == "cpu":
             self._check_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
         self.ops = select_ops(mc.attention_backend, self.device)
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
-        self.decode_kernel = self._choose_decode_kernel(mc.cpu_decode_kernel)
+        self.decode_kernel = self._choose_decode_kernel(decode_setting)
         # Benchmarks set a SectionTimer here to split execute() into build_batch,
         # linear, attention, other and sample; None (the default) costs nothing.
         self.timer: SectionTimer | None = None
@@ -88,8 +92,10 @@ class ModelRunner:
         self._kv_bytes_per_layer_token = self.model.kv_bytes_per_token(self.dtype) // \
             self.model.num_layers
         self.kv_bytes_per_block = per_block
-        if mc.quantization == "int8":
-            self._quantize_int8()
+        # Linear kernels: chosen by measurement here (quantization, batch invariance).
+        self.linear_plan: LinearPlan | None = None
+        if mc.quantization is not None or mc.batch_invariant:
+            self._apply_linear_plan(mc.quantization or "none", mc.batch_invariant)
         # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
@@ -197,7 +203,8 @@ class ModelRunner:
                   plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)),
             cpu_plan=(plan_cpu_attention(q_lens, [c + q for c, q in zip(computed_list, q_lens)],
                                          table.to(dev), bs, self._kv_bytes_per_layer_token,
-                                         decode_kernel=self.decode_kernel)
+                                         decode_kernel=self.decode_kernel,
+                                         all_rows=self.batch_invariant)
                       if torch_path else None),
         )
         return ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)
@@ -250,9 +257,33 @@ class ModelRunner:
         return swap_bw, rate
 
     @torch.inference_mode()
-    def _quantize_int8(self) -> None:
-        """Calibrate (a dense forward over `calibration_token_ids`, in chunks of 512, using
-        the empty cache's first blocks as scratch), then quantize the model to int8."""
+    def _apply_linear_plan(self, mode: str, batch_invariant: bool) -> None:
+        """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached
+        per machine), log the table, calibrate SmoothQuant where an activation-quantizing
+        path serves, and replace the model's linear layers.
+
+        Raises ValueError when no kernel of the mode can run here (int4 or batch-invariant
+        without the C++ kernels)."""
+        from service.worker.quantization.choice import choose_plan
+        from service.worker.quantization.paths import candidates, machine_note
+
+        plan = choose_plan(self.model.linear_weights(), candidates(mode, batch_invariant), mode,
+                           batch_invariant)
+        log.info("%s\n  (%s)", plan.table(), machine_note())
+        if mode == "int8" and plan.all_fp32():
+            log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "
+                        "serving fp32", machine_note())
+        smooth = plan.smoothed_classes()
+        observed = self.calibrate() if smooth else None
+        self.model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
+        self.linear_plan = plan
+        log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
+                 ", ".join(sorted(smooth)) or "none")
+
+    @torch.inference_mode()
+    def calibrate(self) -> list:
+        """Per-layer AmaxObservers after a dense forward over `calibration_token_ids`, in
+        chunks of 512, using the empty cache's first blocks as scratch (zeroed after)."""
         ids = calibration_token_ids(self.tokenizer)
         ids = ids[:min(len(ids), self.num_blocks * self.block_size, self.max_model_len)]
         blocks = list(range(self.blocks_needed(len(ids))))
@@ -265,11 +296,10 @@ class ModelRunner:
                 input_ids, positions, meta, _ = self.prepare_inputs(
                     SchedulerOutput([seq], len(chunk)))
                 self.model.forward(input_ids, positions, meta, self.kv_caches, last)
-        self.model.quantize_int8(observed)
         for kv in self.kv_caches:
             kv[:, blocks] = 0
-        log.info("int8: %d linear layers quantized after calibration on %d tokens",
-                 4 * self.model.num_layers + 1, len(ids))
+        log.info("SmoothQuant calibration on %d tokens", len(ids))
+        return observed
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -304,7 +334,11 @@ class ModelRunner:
         return {"device": str(self.device), "kernels": self.ops.name,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "quantization": self.quantization or "none",
-                "decode_kernel": self.decode_kernel}
+                "batch_invariant": str(self.batch_invariant).lower(),
+                "decode_kernel": self.decode_kernel,
+                # the measured choice, one path per row bucket (1, 16, 64, 512) per class
+                "linear_kernels": (self.linear_plan.summary() if self.linear_plan is not None
+                                   else "fp32")}
 
     # ---- one step ---------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

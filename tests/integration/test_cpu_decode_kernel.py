@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from kernels import decode_attention_cpu as dac
+from kernels.cpu_build import KernelLibrary
 from service.llm import LLM
 
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
@@ -29,8 +30,9 @@ def test_cpp_greedy_equals_sdpa(loaded_model, tokenizer):
 
 
 def test_build_failure_auto_falls_back_cpp_refuses(loaded_model, monkeypatch, caplog):
-    monkeypatch.setattr(dac, "_lib", None)
-    monkeypatch.setattr(dac, "_error", dac.KernelBuildError("C++ compiler 'g++' not found"))
+    failed = KernelLibrary(dac.LIBRARY.kernel, lambda lib: None)
+    failed.reset(dac.KernelBuildError("C++ compiler 'g++' not found"))
+    monkeypatch.setattr(dac, "LIBRARY", failed)
     with caplog.at_level(logging.WARNING):
         llm = LLM(loaded=loaded_model, num_kv_blocks=8)
     assert llm.runner.decode_kernel == "sdpa"

@@ -1,0 +1,189 @@
+"""Build and load our small C++ CPU kernels: g++ on first use, cached per machine, ctypes.
+
+Every C++ kernel of ours (``kernels/csrc/*.cpp``) goes through here. A build is
+compiled with the system C++ compiler (``$CXX``, default ``g++``; a wrapper or
+arguments such as ``ccache g++`` are fine) into ``$CONVEYOR_CACHE_DIR/kernels``
+(default ``$XDG_CACHE_HOME/conveyor/kernels``, i.e. ``~/.cache/conveyor/kernels``)
+under a name hashed from the source, the flags, the compiler's version and the
+CPU's flags, and loaded with ctypes (no torch headers: a build takes seconds).
+Libraries link ``-fopenmp``: the ``libgomp.so.1`` torch has already loaded has the
+same soname, so torch and the kernels share one OpenMP thread pool.
+
+One source may be built several times with different flags (e.g. an AVX2 and an
+AVX-512 variant, each with explicit ``-m`` flags), each a ``CppKernel`` of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+class KernelBuildError(RuntimeError):
+    """A C++ kernel could not be compiled or loaded (no compiler, a compile error, ...)."""
+
+
+def cache_dir() -> Path:
+    """Where builds (and measured kernel choices) are cached: $CONVEYOR_CACHE_DIR/kernels."""
+    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor")
+    return Path(root) / "kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo, e.g. "avx2", "avx512f"); empty when
+    unknown. The kernel lists only what the OS enables (no AVX-512 without its XSAVE state)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class CppKernel:
+    """One build of a C++ source.
+
+    name: the library's file stem in the cache (e.g. "quant_linear_cpu-avx2").
+    source: the .cpp file. cxx_flags: compile flags (given to the compile step only:
+    -ffast-math at link time would add crtfastmath.o, whose constructor sets
+    flush-to-zero for the whole process). requires: CPU flags the build needs to run.
+    """
+
+    name: str
+    source: Path
+    cxx_flags: tuple[str, ...]
+    requires: frozenset[str] = frozenset()
+
+    def runs_here(self) -> bool:
+        """Whether this CPU has every flag in `requires`."""
+        return self.requires <= cpu_flags()
+
+
+def build(kernel: CppKernel, cxx: str) -> Path:
+    """Compile `kernel` unless a build for this source, flags, compiler and CPU is cached.
+
+    cxx: the compiler command, possibly with a wrapper or arguments ("ccache g++").
+    Returns the library's path. Raises KernelBuildError (not found, compile error,
+    cache folder not writable).
+    """
+    words = shlex.split(cxx)
+    found = shutil.which(words[0]) if words else None
+    if found is None:
+        raise KernelBuildError(f"C++ compiler {cxx!r} not found (set CXX or install g++)")
+    compiler = [found, *words[1:]]
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{cxx} --version failed: {e}") from e
+    try:
+        source = kernel.source.read_bytes()
+    except OSError as e:
+        raise KernelBuildError(f"cannot read {kernel.source}: {e}") from e
+    flags = " ".join(kernel.cxx_flags) + " | " + " ".join(LINK_FLAGS)
+    key = hashlib.sha256(b"\0".join([source, flags.encode(), version.encode(),
+                                     " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
+    out_dir = cache_dir()
+    target = out_dir / f"{kernel.name}-{key}.so"
+    if target.exists():
+        return target
+    # Build beside the target and rename: concurrent builders (several servers) never
+    # load a half-written library.
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel build to {out_dir} ({e}); "
+                               "set CONVEYOR_CACHE_DIR to a writable folder") from e
+    obj = tmp[:-3] + ".o"
+    try:
+        for cmd in ([*compiler, *kernel.cxx_flags, "-c", str(kernel.source), "-o", obj],
+                    [*compiler, *LINK_FLAGS, obj, "-o", tmp]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise KernelBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
+                                       f"{proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o644)  # mkstemp made it 0600: let others sharing the cache load it
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"building {kernel.source.name} failed: {e}") from e
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
+    return target
+
+
+class KernelLibrary:
+    """A kernel built and loaded once per process, on first use; thread-safe.
+
+    setup: declares the library's functions (argtypes, restype) once it has loaded.
+    A failure is remembered: later calls raise it again without rebuilding.
+    """
+
+    def __init__(self, kernel: CppKernel, setup: Callable[[ctypes.CDLL], None]) -> None:
+        self.kernel = kernel
+        self._setup = setup
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._error: KernelBuildError | None = None
+
+    def load(self) -> ctypes.CDLL:
+        """Build (once per machine) and load the library.
+
+        Raises:
+            KernelBuildError: the CPU lacks a flag the build needs, no compiler, a
+                compile error, or the library does not load.
+        """
+        with self._lock:
+            if self._lib is not None:
+                return self._lib
+            if self._error is not None:
+                raise self._error
+            try:
+                if not self.kernel.runs_here():
+                    missing = ", ".join(sorted(self.kernel.requires - cpu_flags()))
+                    raise KernelBuildError(f"{self.kernel.name} needs CPU features this CPU "
+                                           f"lacks: {missing}")
+                path = build(self.kernel, os.environ.get("CXX", "g++"))
+                lib = ctypes.CDLL(str(path))
+                self._setup(lib)
+            except KernelBuildError as e:
+                self._error = e
+                raise
+            except (OSError, AttributeError) as e:
+                self._error = KernelBuildError(f"loading {self.kernel.name} failed: {e}")
+                raise self._error from e
+            self._lib = lib
+            return lib
+
+    def problem(self) -> str | None:
+        """Why the library cannot be built or loaded here, or None when it can (builds it)."""
+        try:
+            self.load()
+        except KernelBuildError as e:
+            return str(e)
+        return None
+
+    def reset(self, error: KernelBuildError | None = None) -> None:
+        """Forget the loaded library (tests), or pretend the build failed with `error`."""
+        with self._lock:
+            self._lib, self._error = None, error

@@ -1,0 +1,144 @@
+"""Linear layers with fp32, int8 or int4 weights on the CPU: our C++ kernels.
+
+At one to a few rows a decode step's linear layers stream every weight from memory, so
+weights that are 4 or 8 times smaller and dequantized on the fly in registers (llama.cpp's
+approach) are the classic win; at hundreds of rows the product is compute-bound and
+``dequantize`` + ``F.linear`` (MKL) may serve better. Which is faster on a machine is
+measured, never assumed (``service.worker.quantization.choice``).
+
+Source: ``kernels/csrc/quant_linear_cpu.cpp``, built by ``kernels.cpu_build`` in two
+variants with explicit flags: ``avx512`` (AVX-512 F/BW/VL/DQ) and ``avx2`` (AVX2 + FMA); a
+variant is offered where the CPU runs it, so an AVX-512 CPU can test and time both. Both
+compute every output element with the same sequence of fp32 roundings (fma over k in
+order), independent of the row count, the tiling and the threads: their outputs are
+bit-identical, and a row's output never depends on the other rows of the call.
+
+Weights come packed by ``kernels.quant_pack`` (formats, layout, torch references).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
+from kernels.quant_pack import PackedWeight
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_linear_cpu.cpp"
+_BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-ffp-contract=off")
+VARIANTS: dict[str, CppKernel] = {
+    "avx512": CppKernel("quant_linear_cpu-avx512", SOURCE,
+                        _BASE_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                                       "-mavx2", "-mfma"),
+                        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})),
+    "avx2": CppKernel("quant_linear_cpu-avx2", SOURCE, _BASE_FLAGS + ("-mavx2", "-mfma"),
+                      frozenset({"avx2", "fma"})),
+}
+"""Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
+_FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2}
+
+__all__ = ["KernelBuildError", "VARIANTS", "available_isas", "dequantize", "isa_problem",
+           "quant_linear"]
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.conveyor_qlinear.argtypes = [i32, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64,
+                                     i32]
+    lib.conveyor_qlinear.restype = i32
+    lib.conveyor_qdequant.argtypes = [i32, p, p, p, i64, i64, i64, i64, p, i32]
+    lib.conveyor_qdequant.restype = i32
+    lib.conveyor_qlinear_isa.argtypes = []
+    lib.conveyor_qlinear_isa.restype = ctypes.c_char_p
+
+
+_LIBRARIES = {isa: KernelLibrary(kernel, _setup) for isa, kernel in VARIANTS.items()}
+
+
+def isa_problem(isa: str) -> str | None:
+    """Why the `isa` build cannot serve here (CPU lacks it, no compiler, ...), or None.
+    Builds it on the first call (a few seconds). Raises ValueError for an unknown isa."""
+    if isa not in _LIBRARIES:
+        raise ValueError(f"isa must be one of {tuple(VARIANTS)}, got {isa!r}")
+    problem = _LIBRARIES[isa].problem()
+    if problem is None and _LIBRARIES[isa].load().conveyor_qlinear_isa().decode() != isa:
+        return f"the {isa} build reports another instruction set"  # a broken flag set
+    return problem
+
+
+def available_isas() -> tuple[str, ...]:
+    """The builds that run on this CPU and build here, fastest instruction set first."""
+    return tuple(isa for isa in VARIANTS if isa_problem(isa) is None)
+
+
+def _library(isa: str) -> ctypes.CDLL:
+    if isa not in _LIBRARIES:
+        raise ValueError(f"isa must be one of {tuple(VARIANTS)}, got {isa!r}")
+    return _LIBRARIES[isa].load()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` with W (and the bias) from `packed`.
+
+    Args:
+        x: [M, K] float32 on the CPU, unit stride along K (rows may be further apart, e.g. a
+            slice of a fused projection). M may be 0.
+        packed: the weight, from ``kernels.quant_pack.pack_*``.
+        isa: the build to use, one of ``available_isas()``.
+        out: [M, N] float32 with unit stride along N to write into, or None (a new tensor).
+
+    Returns:
+        [M, N] float32. Row m depends on x[m] alone: the same bits whatever the other rows.
+
+    Raises:
+        ValueError: a dtype, device, shape or stride outside the above; an unknown isa.
+        KernelBuildError: the build for `isa` cannot be built or loaded here.
+    """
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D float32 CPU tensor [M, K], got {x.dtype} shape "
+                         f"{tuple(x.shape)} on {x.device}")
+    m, k = x.shape
+    n = packed.out_features
+    if k != packed.in_features:
+        raise ValueError(f"x has {k} input features, the weight {packed.in_features}")
+    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
+        raise ValueError(f"x needs unit stride along K and rows at least K apart, strides {x.stride()}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif (out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != (m, n)
+          or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n)):
+        raise ValueError(f"out must be float32 [M, N] = [{m}, {n}] on the CPU with unit stride "
+                         f"along N, got {out.dtype} shape {tuple(out.shape)} strides {out.stride()}")
+    if m == 0:
+        return out
+    fn = _library(isa).conveyor_qlinear
+    rc = fn(_FORMAT_CODES[packed.fmt], x.data_ptr(), max(x.stride(0), k), m, k, n,
+            packed.padded_out, packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
+            packed.group, _ptr(packed.bias), out.data_ptr(), max(out.stride(0), n),
+            torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"quantized linear kernel rejected its arguments (code {rc}): "
+                         f"{packed.fmt} [{n}, {k}], x {tuple(x.shape)}")
+    return out
+
+
+def dequantize(packed: PackedWeight, isa: str) -> torch.Tensor:
+    """[N, K] float32: the weight of `packed` as the kernel multiplies by it (``unpack`` in
+    ``kernels.quant_pack`` is the reference), computed with the OpenMP pool.
+
+    Raises ValueError for an unknown isa, KernelBuildError when its build is unavailable."""
+    out = torch.empty(packed.out_features, packed.in_features, dtype=torch.float32)
+    rc = _library(isa).conveyor_qdequant(
+        _FORMAT_CODES[packed.fmt], packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
+        packed.group, packed.in_features, packed.out_features, packed.padded_out,
+        out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"dequantize rejected its arguments (code {rc})")
+    return out

@@ -1,0 +1,283 @@
+"""Kernel choice by measurement: for each linear shape class of the model and each row
+bucket, time every path of the mode that is available and correct here, keep the fastest.
+
+Why measure: the fastest int8 path differs by CPU by a factor of 50 (``torch._int_mm`` is
+fast with VNNI and 20-50x slower than fp32 without it; fbgemm needs 7-bit activations
+without VNNI; our C++ kernels win where weights stream from memory), and by row count
+(decode streams weights, a 512-token prefill chunk is compute-bound).
+
+- Row buckets: BUCKETS = 1, 16, 64, 512 rows; a call of M rows uses the nearest bucket on a
+  log scale (``bucket_index``). The LM head sees only sampling rows (at most
+  max_num_seqs), so its 512 bucket reuses the 64 choice instead of a 30-GFLOP timing.
+- Correct: a path's relative error against fp32 on 8 random rows (one an outlier token)
+  through the layer's own weight, called as the bucket calls it, is within
+  ``ERROR_BOUNDS[mode]`` (``relative_errors``; checked every start-up: it also catches a
+  broken build).
+- Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
+  timed over copies of the weight that together exceed the last-level cache (as a step
+  streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
+- Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
+  key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
+  count; a later start-up on the same machine reuses them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from kernels import quant_linear_cpu as qlc
+from kernels.cpu_build import cache_dir, cpu_flags
+from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+from service.worker.quantization.plan import BUCKETS, LinearPlan
+
+log = logging.getLogger(__name__)
+
+TIMING_VERSION = 2
+"""Bump when the timing method changes: old cached timings are then not reused."""
+LM_HEAD = "lm_head"
+CHECK_ROWS = 8
+OUTLIER = 30.0
+
+Timer = Callable[[str, int, Mapping[str, Callable[[], Sequence[Callable[[], object]]]]],
+                 dict[str, float]]
+"""(class name, rows, {path name: make_calls}) -> {path name: ms per call}. make_calls
+builds the calls to time (one per weight copy); a fake timer for tests need not call it."""
+
+
+def relative_errors(path: LinearPath, lw: LayerWeights, seed: int = 0) -> tuple[float, float]:
+    """(error in one-row calls, error in one call of CHECK_ROWS rows) of `path`: the
+    relative error |y - y_fp32| / |y_fp32| (Frobenius, y_fp32 in float64) over the ordinary
+    rows of CHECK_ROWS Gaussian rows of which the first is an outlier token (x OUTLIER).
+
+    Real activations carry such tokens (Sun et al., "Massive Activations in Large Language
+    Models", 2024): a path that quantizes a whole call's activations with one range (fbgemm's
+    per-tensor uint8) loses the other rows' precision whenever one shares the call, which a
+    check on Gaussian rows alone would not see (on SmolLM2-135M, fbgemm for every layer
+    raised perplexity by 7% where weight-only int8 changed it by -0.2%). One-row calls are
+    what the 1-row bucket runs. inf when the output is not finite."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(CHECK_ROWS, lw.weight.shape[1], generator=g)
+    x[0] *= OUTLIER
+    ref = x[1:].double() @ lw.weight.double().t()
+    if lw.bias is not None:
+        ref += lw.bias.double()
+    fn = path.bind(lw)
+    errors = []
+    for y in (torch.cat([fn(x[i:i + 1]) for i in range(CHECK_ROWS)]), fn(x)):
+        y = y[1:].double()
+        errors.append(float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+                      if bool(torch.isfinite(y).all()) else math.inf)
+    return errors[0], errors[1]
+
+
+def _llc_bytes() -> int:
+    """The last-level cache's size (Linux sysfs), 32 MiB when unknown."""
+    best = 0
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in root.glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            best = max(best, int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]]
+                       if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    return best or 32 << 20
+
+
+def _weight_bytes(fn: object) -> int:
+    """Bytes of weight a bound path reads per call."""
+    packed = getattr(fn, "packed", None)
+    if packed is not None:
+        return int(packed.nbytes)
+    qweight = getattr(fn, "qweight", None)
+    if qweight is not None:
+        return qweight.numel()
+    weight = getattr(fn, "weight")
+    return weight.numel() * weight.element_size()
+
+
+def bound_copies(path: LinearPath, lw: LayerWeights,
+                 target_bytes: int | None = None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """`path` bound to copies of the weight on distinct memory (each bound layer's
+    ``clone()``), together about `target_bytes` (default: twice the last-level cache, at
+    least 64 MiB), 2 to 64 copies."""
+    target = target_bytes or max(64 << 20, 2 * _llc_bytes())
+    first = path.bind(lw)
+    n = max(2, min(64, -(-target // max(_weight_bytes(first), 1))))
+    return [first] + [first.clone() for _ in range(n - 1)]  # type: ignore[attr-defined]
+
+
+def measure_ms(calls: Mapping[str, Sequence[Callable[[], object]]], *, rounds: int = 5,
+               round_s: float = 0.005) -> dict[str, float]:
+    """Each path's fastest call in ms. The paths take turns, round by round, so that a
+    spell of contention on a shared machine hits them alike; a path's round runs through
+    its calls (continuing where its last round stopped) until all ran once or `round_s`
+    passed. The minimum, not the mean: a call whose OpenMP threads were descheduled takes a
+    scheduler quantum (milliseconds) longer, which says nothing about the kernel; every
+    copy is cold when its turn comes, so the minimum is not a cache hit. After the first
+    round, paths over 4x slower than the best stop being timed.
+
+    calls: path name -> calls on distinct copies of the weight.
+    """
+    best = {n: math.inf for n in calls}
+    turn = {n: 0 for n in calls}
+    alive = list(calls)
+    for r in range(rounds + 1):  # round 0: each path's first calls (warm-up included)
+        for n in alive:
+            cs = calls[n]
+            start = time.perf_counter()
+            for _ in range(len(cs) if r else min(2, len(cs))):
+                t = time.perf_counter()
+                cs[turn[n] % len(cs)]()
+                turn[n] += 1
+                best[n] = min(best[n], time.perf_counter() - t)
+                if time.perf_counter() - start >= round_s:
+                    break
+        if r == 1:
+            lead = min(best[n] for n in alive)
+            alive = [n for n in alive if best[n] <= 4 * lead]
+    return {n: v * 1e3 for n, v in best.items()}
+
+
+def default_timer(cls: str, rows: int,
+                  makers: Mapping[str, Callable[[], Sequence[Callable[[], object]]]]
+                  ) -> dict[str, float]:
+    """``measure_ms`` of each path's calls (the class and rows only label them)."""
+    return measure_ms({name: make() for name, make in makers.items()})
+
+
+def cache_key() -> str:
+    """Hash of what the timings depend on: kernel source, CPU flags, torch, threads."""
+    parts = [qlc.SOURCE.read_bytes(), " ".join(sorted(cpu_flags())).encode(),
+             torch.__version__.encode(), str(torch.get_num_threads()).encode(),
+             str(TIMING_VERSION).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    return cache_dir() / f"linear-timings-{cache_key()}.json"
+
+
+def _load_cache() -> dict[str, float]:
+    try:
+        data = json.loads(_cache_path().read_text())
+        return {str(k): float(v) for k, v in data.get("timings_ms", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _save_cache(timings: Mapping[str, float]) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "timings_ms": dict(sorted(timings.items()))}, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("linear kernel timings not cached (%s): %s", path, e)
+
+
+def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
+         bound: float) -> str | None:
+    """The fastest path whose error (errors: path -> its error at this bucket) is within
+    bound; ties go to the earlier path. None when no path is both timed and correct."""
+    ok = [(ms, i, name) for i, (name, ms) in enumerate(timings_ms.items())
+          if errors.get(name, math.inf) <= bound and math.isfinite(ms)]
+    return min(ok)[2] if ok else None
+
+
+def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+                paths: Sequence[LinearPath], mode: str, batch_invariant: bool, *,
+                timer: Timer | None = None, use_cache: bool = True,
+                int4_group: int | None = None) -> LinearPlan:
+    """Measure and choose a path per (shape class, row bucket).
+
+    Args:
+        layers: class name ("qkv", "o", "gate_up", "down", "lm_head") -> (weight [N, K]
+            float32, bias [N] or None) of one layer of that class.
+        paths: the candidates (``paths.candidates(mode, batch_invariant)``).
+        timer: measures a path (default: ``default_timer``); tests pass a fake.
+        use_cache: reuse and store timings in the per-machine cache.
+
+    Raises:
+        ValueError: no candidate can run here, or none is correct for some class.
+    """
+    problems = {p.name: p.problem() for p in paths}
+    usable = [p for p in paths if problems[p.name] is None]
+    if not usable:
+        raise ValueError(f"no linear kernel for quantization {mode!r}"
+                         f"{' (batch-invariant)' if batch_invariant else ''} runs here: "
+                         + "; ".join(f"{k}: {v}" for k, v in problems.items()))
+    cached = _load_cache() if use_cache else {}
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    busy = load > cpus + max(1.0, cpus / 2)  # our own model load counts too
+    timings = dict(cached)
+    bound = ERROR_BOUNDS[mode]
+    errors: dict[str, dict[str, tuple[float, float]]] = {}
+    table: dict[str, list[dict[str, float]]] = {}
+    choices: dict[str, tuple[str, ...]] = {}
+    for cls, (weight, bias) in layers.items():
+        kw = {} if int4_group is None else {"int4_group": int4_group}
+        lw = LayerWeights(weight, bias, **kw)
+        errors[cls] = {p.name: relative_errors(p, lw) for p in usable}
+        correct = [p for p in usable if min(errors[cls][p.name]) <= bound]
+        if not correct:
+            raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
+                             f"{cls} {tuple(weight.shape)}: {errors[cls]}")
+        table[cls], picked = [], []
+        copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for b, rows in enumerate(BUCKETS):
+            if cls == LM_HEAD and b == len(BUCKETS) - 1:
+                table[cls].append(dict(table[cls][-1]))
+                picked.append(picked[-1])
+                continue
+            err = {n: e[0 if rows == 1 else 1] for n, e in errors[cls].items()}
+            keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
+                             f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
+                    for p in correct if err[p.name] <= bound}
+            missing = [p for p in correct if p.name in keys and keys[p.name] not in timings]
+            if missing:
+                x = torch.randn(rows, weight.shape[1])
+
+                def make(p: LinearPath, x: torch.Tensor = x,
+                         lw: LayerWeights = lw) -> list[Callable[[], object]]:
+                    if p.name not in copies:
+                        copies[p.name] = bound_copies(p, lw)
+                    # compute-bound above 16 rows: two copies are enough
+                    fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
+                    return [lambda f=f: f(x) for f in fns]
+
+                got = (timer or default_timer)(cls, rows, {p.name: functools.partial(make, p)
+                                                           for p in missing})
+                timings.update({keys[p.name]: got[p.name] for p in missing})
+            row = {n: timings[k] for n, k in keys.items()}
+            table[cls].append(row)
+            choice = pick(table[cls][-1], err, bound)
+            assert choice is not None, f"{cls}: a correct path went untimed"
+            picked.append(choice)
+        copies.clear()
+        choices[cls] = tuple(picked)
+        del lw
+    if use_cache and timings != cached:
+        if busy:
+            log.warning("the machine was busy while linear kernels were timed (load average "
+                        "%.1f on %d CPUs): the choice may be off, and is not cached", load, cpus)
+        else:
+            _save_cache(timings)
+    return LinearPlan(mode, batch_invariant, choices, table, errors,
+                      {k: v for k, v in problems.items() if v is not None},
+                      int4_group=int4_group)

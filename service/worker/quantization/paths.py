@@ -1,0 +1,222 @@
+"""The ways a linear layer can run on the CPU ("paths"), per quantization mode.
+
+A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, N]``
+(float32). Which one serves a layer at a given row count is measured per machine
+(``service.worker.quantization.choice``); this module only says what exists and builds it.
+
+| path | weights | activations | row-invariant |
+|---|---|---|---|
+| ``fp32`` | fp32, ``F.linear`` (MKL / oneDNN) | fp32 | no (small M takes another kernel) |
+| ``fbgemm`` | int8 per channel | uint8 per tensor (7 bits without VNNI) | no |
+| ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
+| ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
+| ``{int8,int4}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import quant_linear_cpu as qlc
+from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
+from service.worker.quantization.linear import DenseLinear
+from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni
+
+MODES = ("none", "int8", "int4")
+INT4_GROUP = 32
+"""Input channels per int4 group (a scale and a min per group), as GGUF's Q4_0 / Q4_1 blocks:
+the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit weights
+exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
+measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
+ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2}
+"""Largest relative error ``|y - y_fp32| / |y_fp32|`` (``choice.relative_errors``: random
+rows with an outlier token, through the model's own weight) a path of each mode may show to
+be chosen. On SmolLM2-135M (AVX-512 VNNI), Gaussian rows: int8 weights per channel
+0.008-0.013, fbgemm 0.011-0.016, int_mm 0.011-0.015; fbgemm without VNNI needs 7-bit
+activations, and without reduce_range there saturates (0.07-0.18): refused. With an outlier
+token in the call fbgemm's per-tensor range is refused too (it serves one-row calls only).
+int4: see INT4_GROUP."""
+
+
+class CppLinear:
+    """Our C++ kernel over a packed weight (``kernels.quant_linear_cpu.quant_linear``)."""
+
+    __slots__ = ("packed", "isa", "in_features", "out_features")
+
+    def __init__(self, packed: PackedWeight, isa: str) -> None:
+        self.packed, self.isa = packed, isa
+        self.out_features, self.in_features = packed.out_features, packed.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qlc.quant_linear(x, self.packed, self.isa)
+
+    def clone(self) -> CppLinear:
+        """The same layer on distinct memory (benchmarks stream copies from DRAM)."""
+        return CppLinear(_clone_packed(self.packed), self.isa)
+
+
+class DequantLinear:
+    """Dequantize the packed weight (C++, all threads) then ``F.linear``: for many rows,
+    where the product is compute-bound and the dequantization is paid once per call."""
+
+    __slots__ = ("packed", "isa", "bias", "in_features", "out_features")
+
+    def __init__(self, packed: PackedWeight, isa: str) -> None:
+        self.packed, self.isa = packed, isa
+        self.out_features, self.in_features = packed.out_features, packed.in_features
+        self.bias = None if packed.bias is None else packed.bias[:packed.out_features]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, qlc.dequantize(self.packed, self.isa), self.bias)
+
+    def clone(self) -> DequantLinear:
+        """The same layer on distinct memory (benchmarks stream copies from DRAM)."""
+        return DequantLinear(_clone_packed(self.packed), self.isa)
+
+
+def _clone_packed(p: PackedWeight) -> PackedWeight:
+    return dataclasses.replace(p, data=p.data.clone())
+
+
+class LayerWeights:
+    """One layer's fp32 weight [N, K] and bias [N] (or None), with the packed forms the
+    paths share built once on first use (e.g. the int8 packing serves both C++ builds and
+    the dequantizing path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 int4_group: int = INT4_GROUP) -> None:
+        self.weight, self.bias, self.int4_group = weight, bias, int4_group
+
+    @functools.cached_property
+    def packed_f32(self) -> PackedWeight:
+        return pack_f32(self.weight, self.bias)
+
+    @functools.cached_property
+    def packed_int8(self) -> PackedWeight:
+        return pack_int8(self.weight, self.bias)
+
+    @functools.cached_property
+    def packed_int4(self) -> PackedWeight:
+        return pack_int4(self.weight, self.bias, group=self.int4_group)
+
+
+@dataclass(frozen=True)
+class LinearPath:
+    """A way to run a linear layer.
+
+    name: e.g. "cpp-int8-avx2". mode: the --quantization it belongs to ("none", "int8",
+    "int4"). row_invariant: a row's output never depends on the other rows of the call.
+    quantizes_activations: needs SmoothQuant'd weights. bind: builds the callable.
+    problem: why the path cannot run here (None when it can).
+    """
+
+    name: str
+    mode: str
+    row_invariant: bool
+    quantizes_activations: bool
+    bind: Callable[[LayerWeights], Callable[[torch.Tensor], torch.Tensor]]
+    problem: Callable[[], str | None]
+
+    @property
+    def numerics(self) -> str:
+        """Paths with the same numerics give bit-identical outputs (our C++ builds of one
+        format); the batch-invariant mode may switch only between those."""
+        return self.name.rsplit("-", 1)[0] if self.name.startswith("cpp-") else self.name
+
+
+def _fbgemm_problem() -> str | None:
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this torch build has no fbgemm engine (x86-64 only)"
+    return None
+
+
+def _isa_problem(isa: str) -> Callable[[], str | None]:
+    return lambda: qlc.isa_problem(isa)
+
+
+def _dequant_isa() -> str | None:
+    isas = qlc.available_isas()
+    return isas[0] if isas else None
+
+
+def _dequant_problem() -> str | None:
+    return None if _dequant_isa() else "no C++ build of the quantized linear kernel runs here"
+
+
+def _cpp(fmt: str, isa: str) -> LinearPath:
+    attr = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4"}[fmt]
+    mode = "none" if fmt == "f32" else fmt
+    return LinearPath(f"cpp-{fmt}-{isa}", mode, True, False,
+                      lambda lw: CppLinear(getattr(lw, attr), isa), _isa_problem(isa))
+
+
+def _dequant(fmt: str) -> LinearPath:
+    attr = {"int8": "packed_int8", "int4": "packed_int4"}[fmt]
+    return LinearPath(f"{fmt}-dequant-mm", fmt, False, False,
+                      lambda lw: DequantLinear(getattr(lw, attr), _dequant_isa() or "avx2"),
+                      _dequant_problem)
+
+
+PATHS: dict[str, LinearPath] = {p.name: p for p in [
+    LinearPath("fp32", "none", False, False, lambda lw: DenseLinear(lw.weight, lw.bias),
+               lambda: None),
+    *[_cpp("f32", isa) for isa in qlc.VARIANTS],
+    LinearPath("fbgemm", "int8", False, True, lambda lw: Int8Linear(lw.weight, lw.bias),
+               _fbgemm_problem),
+    LinearPath("int_mm", "int8", False, True,
+               lambda lw: Int8Linear(lw.weight, lw.bias, per_token=True), _fbgemm_problem),
+    *[_cpp("int8", isa) for isa in qlc.VARIANTS],
+    _dequant("int8"),
+    *[_cpp("int4", isa) for isa in qlc.VARIANTS],
+    _dequant("int4"),
+]}
+"""Every path, in order of preference when two measure the same."""
+
+
+def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
+    """The paths that may serve a layer in `mode` ("none", "int8", "int4").
+
+    int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
+    than fp32. batch_invariant: only row-invariant paths of one numerics (our C++
+    kernels of the mode's format, fp32 for "none"), so that a row's output is the same
+    bits whatever else shares the step.
+
+    ``$CONVEYOR_LINEAR_PATHS`` (a comma list of path names), when set, keeps only those
+    (e.g. ``fp32,cpp-int8-avx2`` to see what an AVX2-only CPU's kernels give here).
+
+    Raises ValueError for an unknown mode, or an unknown name in $CONVEYOR_LINEAR_PATHS.
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantization mode must be one of {MODES}, got {mode!r}")
+    only = [n.strip() for n in os.environ.get("CONVEYOR_LINEAR_PATHS", "").split(",") if n.strip()]
+    unknown = [n for n in only if n not in PATHS]
+    if unknown:
+        raise ValueError(f"CONVEYOR_LINEAR_PATHS names unknown paths {unknown}; "
+                         f"known: {', '.join(PATHS)}")
+    found = _candidates(mode, batch_invariant)
+    return [p for p in found if p.name in only] if only else found
+
+
+def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
+    if batch_invariant:
+        fmt = "f32" if mode == "none" else mode
+        return [p for p in PATHS.values() if p.name.startswith(f"cpp-{fmt}-")]
+    if mode == "none":
+        return [PATHS["fp32"]]
+    if mode == "int8":
+        return [PATHS["fp32"]] + [p for p in PATHS.values() if p.mode == "int8"]
+    return [p for p in PATHS.values() if p.mode == "int4"]
+
+
+def machine_note() -> str:
+    """One line on what decides the int8 paths here (VNNI, C++ builds)."""
+    isas = qlc.available_isas()
+    return (f"VNNI {'yes' if cpu_has_vnni() else 'no (fbgemm uses 7-bit activations)'}; "
+            f"C++ builds: {', '.join(isas) if isas else 'none'}")

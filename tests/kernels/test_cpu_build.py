@@ -1,0 +1,101 @@
+"""kernels.cpu_build: the shared g++ build of our C++ kernels (cache, errors, loading)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+
+from kernels import cpu_build
+from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+
+SOURCE = 'extern "C" int conveyor_answer(int x) { return 2 * x + 0; }\n'
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch) -> CppKernel:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "answer.cpp"
+    src.write_text(SOURCE)
+    return CppKernel("answer", src, ("-O2", "-fPIC", "-fopenmp"))
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.conveyor_answer.argtypes = [ctypes.c_int]
+    lib.conveyor_answer.restype = ctypes.c_int
+
+
+@needs_gxx
+def test_build_is_cached(kernel, tmp_path) -> None:
+    first = cpu_build.build(kernel, "g++")
+    assert first.parent == tmp_path / "cache" / "kernels" and first.exists()
+    assert first.name.startswith("answer-") and first.suffix == ".so"
+    mtime = first.stat().st_mtime_ns
+    assert cpu_build.build(kernel, "g++") == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp file left
+    assert first.stat().st_mode & 0o777 == 0o644  # others sharing the cache can load it
+
+
+@needs_gxx
+def test_other_flags_are_another_build(kernel) -> None:
+    a = cpu_build.build(kernel, "g++")
+    b = cpu_build.build(CppKernel("answer", kernel.source, ("-O1", "-fPIC")), "g++")
+    assert a != b and a.exists() and b.exists()
+
+
+@needs_gxx
+def test_cxx_may_carry_a_wrapper_or_arguments(kernel) -> None:
+    assert cpu_build.build(kernel, "env g++").exists()  # e.g. CXX="ccache g++"
+
+
+def test_missing_compiler_is_a_build_error(kernel) -> None:
+    with pytest.raises(KernelBuildError, match="not found"):
+        cpu_build.build(kernel, "no-such-c++-compiler")
+
+
+@needs_gxx
+def test_unwritable_cache_dir_is_a_build_error(kernel, tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(blocker))  # kernels/ cannot be made under it
+    with pytest.raises(KernelBuildError, match="CONVEYOR_CACHE_DIR"):
+        cpu_build.build(kernel, "g++")
+
+
+@needs_gxx
+def test_compile_error_is_a_build_error(kernel, tmp_path) -> None:
+    kernel.source.write_text('extern "C" int conveyor_answer( {\n')
+    with pytest.raises(KernelBuildError, match="failed"):
+        cpu_build.build(kernel, "g++")
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []  # nothing half-written kept
+
+
+@needs_gxx
+def test_library_loads_once_and_remembers_failure(kernel, tmp_path) -> None:
+    lib = KernelLibrary(kernel, _setup)
+    assert lib.problem() is None
+    assert lib.load() is lib.load() and lib.load().conveyor_answer(21) == 42
+    broken = KernelLibrary(CppKernel("broken", tmp_path / "missing.cpp", ("-fPIC",)), _setup)
+    assert "cannot read" in (broken.problem() or "")
+    with pytest.raises(KernelBuildError, match="cannot read"):
+        broken.load()
+
+
+def test_a_build_needing_absent_cpu_features_does_not_run(kernel) -> None:
+    impossible = CppKernel("answer", kernel.source, ("-fPIC",),
+                           requires=frozenset({"no_such_cpu_feature"}))
+    assert not impossible.runs_here()
+    lib = KernelLibrary(impossible, _setup)
+    with pytest.raises(KernelBuildError, match="no_such_cpu_feature"):
+        lib.load()
+
+
+def test_cpu_flags_read_from_cpuinfo() -> None:
+    flags = cpu_build.cpu_flags()
+    assert isinstance(flags, frozenset)
+    import platform
+    if platform.machine() == "x86_64" and flags:
+        assert "sse2" in flags  # every x86-64 CPU

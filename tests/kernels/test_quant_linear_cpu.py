@@ -1,0 +1,153 @@
+"""kernels.quant_linear_cpu against its torch reference (kernels.quant_pack), every format
+on every build this CPU runs: odd shapes, 1 to 300 rows, row and thread invariance, the
+AVX2 and AVX-512 builds bit-identical, argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant_linear_cpu as qlc
+from kernels.quant_pack import (FORMATS, PackedWeight, pack_f32, pack_int4, pack_int8,
+                                quant_linear_ref, quantize_int4, unpack)
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
+    qlc.isa_problem(isa) is not None, reason=f"{isa} build unavailable: {qlc.isa_problem(isa)}"))
+    for isa in qlc.VARIANTS]
+SHAPES = [(1, 1), (17, 3), (100, 37), (64, 130), (130, 64), (960, 576)]
+ROWS = [1, 7, 16, 64, 300]
+
+
+def _pack(fmt: str, w: torch.Tensor, b: torch.Tensor | None, group: int = 32) -> PackedWeight:
+    if fmt == "f32":
+        return pack_f32(w, b)
+    return pack_int8(w, b) if fmt == "int8" else pack_int4(w, b, group=group)
+
+
+def _data(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, n)[:, None]
+    return w, torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_the_reference(isa, fmt, n, k) -> None:
+    w, b, x = _data(n, k, max(ROWS))
+    packed = _pack(fmt, w, b if n % 2 else None)
+    ref = quant_linear_ref(x, packed)
+    y = qlc.quant_linear(x, packed, isa)
+    assert y.shape == (max(ROWS), n) and y.dtype == torch.float32
+    # fp32 accumulation over k vs the float64 reference
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    for rows in ROWS:  # any row count gives the same bits for the same rows
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_never_depend_on_each_other_or_the_threads(isa, fmt) -> None:
+    w, b, x = _data(200, 96, 64, seed=3)
+    packed = _pack(fmt, w, b)
+    y = qlc.quant_linear(x, packed, isa)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qlc.quant_linear(x[perm], packed, isa), y[perm])
+    assert torch.equal(qlc.quant_linear(x[5:6], packed, isa), y[5:6])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qlc.quant_linear(x, packed, isa), y)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(qlc.available_isas()) < 2,
+                    reason=f"needs both builds; this CPU runs {qlc.available_isas()}")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_avx2_and_avx512_builds_are_bit_identical(fmt, rows) -> None:
+    w, b, x = _data(300, 201, rows, seed=rows)
+    packed = _pack(fmt, w, b)
+    assert torch.equal(qlc.quant_linear(x, packed, "avx2"), qlc.quant_linear(x, packed, "avx512"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_group_sizes_and_partial_last_group(isa, group) -> None:
+    w, b, x = _data(70, 200, 9)  # 200 = 1 full group of 128 and a partial one
+    packed = pack_int4(w, b, group=group)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(qlc.quant_linear(x, packed, isa), ref, rtol=1e-4,
+                               atol=1e-4 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_the_reference_weight(isa, fmt) -> None:
+    w, b, _ = _data(100, 37, 1)
+    packed = _pack(fmt, w, b)
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_strided_rows_out_and_empty_input(isa) -> None:
+    w, b, x = _data(48, 32, 5)
+    packed = pack_int8(w, b)
+    wide = torch.randn(5, 80)
+    wide[:, 16:48] = x  # rows 80 apart, as a slice of a fused projection
+    y = qlc.quant_linear(x, packed, isa)
+    assert torch.equal(qlc.quant_linear(wide[:, 16:48], packed, isa), y)
+    out = torch.full((5, 60), float("nan"))
+    res = qlc.quant_linear(x, packed, isa, out=out[:, 6:54])
+    assert torch.equal(res, y) and torch.equal(out[:, 6:54], y)
+    assert bool(out[:, :6].isnan().all() and out[:, 54:].isnan().all())  # nothing outside
+    assert qlc.quant_linear(torch.empty(0, 32), packed, isa).shape == (0, 48)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bad_arguments_raise_value_error(isa) -> None:
+    w, b, x = _data(48, 32, 4)
+    packed = pack_int8(w, b)
+    with pytest.raises(ValueError, match="float32"):
+        qlc.quant_linear(x.double(), packed, isa)
+    with pytest.raises(ValueError, match="input features"):
+        qlc.quant_linear(torch.randn(4, 31), packed, isa)
+    with pytest.raises(ValueError, match="unit stride"):
+        qlc.quant_linear(torch.randn(32, 4).t(), packed, isa)
+    with pytest.raises(ValueError, match="out must be"):
+        qlc.quant_linear(x, packed, isa, out=torch.empty(4, 47))
+    with pytest.raises(ValueError, match="isa"):
+        qlc.quant_linear(x, packed, "sse2")
+
+
+def test_int4_quantization_error_within_half_a_step() -> None:
+    w, _, _ = _data(33, 100, 1)
+    w[0, :32] = 0.25  # a constant group is exact
+    q, d, m = quantize_int4(w, 32)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    g_of_k = torch.arange(100) // 32
+    deq = q.float() * d[:, g_of_k] + m[:, g_of_k]
+    assert bool(((deq - w).abs() <= d[:, g_of_k] / 2 + 1e-6).all())
+    assert torch.equal(deq[0, :32], w[0, :32])
+    with pytest.raises(ValueError, match="group size"):
+        quantize_int4(w, 48)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4), torch.zeros(2, 3, dtype=torch.int32),
+                                 torch.tensor([[1.0, float("nan")]]), torch.zeros(0, 3)])
+def test_pack_rejects_bad_weights(bad) -> None:
+    for pack in (pack_f32, pack_int8, pack_int4):
+        with pytest.raises(ValueError):
+            pack(bad)
+    with pytest.raises(ValueError, match="bias"):
+        pack_int8(torch.randn(4, 3), torch.randn(5))
+
+
+def test_packed_sizes() -> None:
+    w = torch.randn(100, 64)
+    assert pack_f32(w).data.shape == (2, 64, 64)  # 100 channels padded to 128
+    assert pack_int8(w).nbytes == 128 * 64 + 128 * 4
+    p = pack_int4(w, group=32)
+    assert p.data.shape == (2, 32, 64) and p.scale.shape == (2, 2, 64)
+    assert p.nbytes == 128 * 32 + 2 * 128 * 2 * 4

@@ -1,0 +1,189 @@
+"""Kernel choice by measurement (service.worker.quantization.choice / plan / paths) with fake
+paths and a fake timer: deterministic, no kernel timed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from service.worker.quantization import choice
+from service.worker.quantization.linear import DenseLinear
+from service.worker.quantization.paths import PATHS, LinearPath, candidates
+from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_index
+
+
+def _noisy(lw) -> DenseLinear:
+    return DenseLinear(lw.weight * 1.5, lw.bias)  # 50% off: never within a bound
+
+
+def _fake(name: str, *, wrong: bool = False, problem: str | None = None,
+          activations: bool = False) -> LinearPath:
+    bind = _noisy if wrong else (lambda lw: DenseLinear(lw.weight, lw.bias))
+    return LinearPath(name, "int8", True, activations, bind, lambda: problem)
+
+
+LAYERS = {"qkv": (torch.randn(24, 16), None), "down": (torch.randn(16, 32), torch.randn(16)),
+          "lm_head": (torch.randn(40, 16), None)}
+# ms by (path, rows): "slow" is correct everywhere, "fast" wins small, "wrong" is fastest
+# but outside the error bound, "big" wins at 64 rows and up
+MS = {"slow": 5.0, "wrong": 0.1}
+
+
+def _ms(name: str, rows: int) -> float:
+    if name == "fast":
+        return 1.0 if rows <= 16 else 9.0
+    if name == "big":
+        return 2.0 if rows >= 64 else 9.0
+    return MS[name]
+
+
+def _timer(calls: list):
+    def timer(cls, rows, makers):
+        calls.extend((name, cls, rows) for name in makers)
+        return {name: _ms(name, rows) for name in makers}
+    return timer
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    store: dict[str, float] = {}
+    monkeypatch.setattr(choice, "_load_cache", lambda: dict(store))
+    monkeypatch.setattr(choice, "_save_cache", lambda t: store.update(t))
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    return store
+
+
+def test_fastest_correct_path_per_bucket() -> None:
+    paths = [_fake("slow"), _fake("wrong", wrong=True), _fake("fast"), _fake("big")]
+    calls: list = []
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer(calls))
+    assert plan.choices == {"qkv": ("fast", "fast", "big", "big"),
+                            "down": ("fast", "fast", "big", "big"),
+                            "lm_head": ("fast", "fast", "big", "big")}
+    assert min(plan.errors["qkv"]["wrong"]) > 0.4 and max(plan.errors["qkv"]["fast"]) < 1e-6
+    assert all(p != "wrong" for p, _, _ in calls)  # an incorrect path is never timed
+    # the LM head's 512 bucket reuses its 64 one (no 512-row timing of a vocab-sized matrix)
+    assert ("big", "lm_head", 512) not in calls and ("big", "qkv", 512) in calls
+    assert "*fast 1.000" in plan.table() and "qkv=fast,fast,big,big" in plan.summary()
+
+
+class _PerTensor:
+    """Quantizes a call's activations with one range for all its rows (as fbgemm does)."""
+
+    def __init__(self, lw) -> None:
+        self.inner = DenseLinear(lw.weight, lw.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        step = x.abs().max() / 127
+        return self.inner(torch.round(x / step) * step)
+
+
+def test_a_per_tensor_path_serves_only_one_row_calls() -> None:
+    # an outlier token in an 8-row call ruins the other rows' range: refused there
+    paths = [_fake("slow"), LinearPath("pertensor", "int8", False, True, _PerTensor,
+                                       lambda: None)]
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=lambda cls, rows, makers: {
+        n: 0.5 if n == "pertensor" else 5.0 for n in makers})
+    e1, e8 = plan.errors["qkv"]["pertensor"]
+    assert e1 < 0.02 < 0.04 < e8
+    assert plan.choices["qkv"] == ("pertensor", "slow", "slow", "slow")
+    assert "pertensor" not in plan.timings_ms["qkv"][1]  # not timed where it is wrong
+
+
+def test_ties_go_to_the_earlier_path_and_pick_needs_a_correct_one() -> None:
+    assert choice.pick({"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}, 0.1) == "a"
+    assert choice.pick({"a": 1.0, "b": 0.5}, {"a": 0.0, "b": 0.2}, 0.1) == "a"
+    assert choice.pick({"a": math.inf}, {"a": 0.0}, 0.1) is None
+    assert choice.pick({"a": 1.0}, {}, 0.1) is None
+
+
+def test_unavailable_paths_are_listed_and_none_left_raises() -> None:
+    plan = choice.choose_plan(LAYERS, [_fake("slow"), _fake("gone", problem="no VNNI")],
+                              "int8", False, timer=_timer([]))
+    assert plan.unavailable == {"gone": "no VNNI"}
+    assert set(plan.choices["qkv"]) == {"slow"} and "not available: gone: no VNNI" in plan.table()
+    with pytest.raises(ValueError, match="runs here.*gone: no VNNI"):
+        choice.choose_plan(LAYERS, [_fake("gone", problem="no VNNI")], "int8", False,
+                           timer=_timer([]))
+    with pytest.raises(ValueError, match="error bound"):
+        choice.choose_plan(LAYERS, [_fake("wrong", wrong=True)], "int8", False, timer=_timer([]))
+
+
+def test_timings_are_cached_per_machine_but_not_when_busy(_no_disk_cache, monkeypatch) -> None:
+    paths = [_fake("slow"), _fake("fast")]
+    first: list = []
+    choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer(first))
+    assert first and len(_no_disk_cache) == len(first)
+    again: list = []
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer(again))
+    assert again == [] and plan.choices["qkv"] == ("fast", "fast", "slow", "slow")
+    _no_disk_cache.clear()
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (50.0, 50.0, 50.0))
+    choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer([]))
+    assert _no_disk_cache == {}  # timed on a busy machine: not kept
+
+
+def test_bucket_edges_and_dispatch() -> None:
+    assert [bucket_index(m) for m in (1, 3, 4, 31, 32, 180, 181, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    seen: list[tuple[int, int]] = []
+    fns = [lambda x, i=i: seen.append((i, x.shape[0])) or x for i in range(4)]
+    lin = DispatchLinear(fns, ("a", "b", "c", "d"), 8, 8)
+    for m in (1, 3, 4, 31, 32, 180, 181, 600):
+        lin(torch.zeros(m, 8))
+    assert seen == [(bucket_index(m), m) for m in (1, 3, 4, 31, 32, 180, 181, 600)]
+    with pytest.raises(ValueError, match="one path per bucket"):
+        DispatchLinear(fns[:3], ("a", "b", "c"), 8, 8)
+
+
+def test_plan_builds_shared_layers_and_knows_what_to_smooth() -> None:
+    plan = LinearPlan("int8", False, {"qkv": ("cpp-int8-avx2",) * 4,
+                                      "o": ("fp32", "fp32", "fbgemm", "fbgemm"),
+                                      "lm_head": ("fbgemm",) * 4})
+    assert plan.smoothed_classes() == {"o"}  # never the LM head (tied to the embedding)
+    assert not plan.all_fp32()
+    w = torch.randn(64, 32)
+    single = plan.make_linear("qkv", w, None)
+    assert not isinstance(single, DispatchLinear) and single.out_features == 64
+    if PATHS["fbgemm"].problem() is None:
+        mixed = plan.make_linear("o", w, None)
+        assert isinstance(mixed, DispatchLinear) and mixed.names == plan.choices["o"]
+        assert mixed.fns[0] is mixed.fns[1] and mixed.fns[2] is mixed.fns[3]
+    assert LinearPlan("int8", False, {"qkv": ("fp32",) * 4}).all_fp32()
+
+
+def test_candidates_per_mode() -> None:
+    int8 = [p.name for p in candidates("int8", False)]
+    assert int8[0] == "fp32" and "fbgemm" in int8 and "int_mm" in int8  # never slower than fp32
+    assert "cpp-int8-avx2" in int8 and not any("int4" in n for n in int8)
+    assert all(p.name.startswith("cpp-int4-") or p.name == "int4-dequant-mm"
+               for p in candidates("int4", False))
+    for mode, fmt in (("none", "f32"), ("int8", "int8"), ("int4", "int4")):
+        bi = candidates(mode, True)
+        assert bi and all(p.name.startswith(f"cpp-{fmt}-") and p.row_invariant for p in bi)
+        assert len({p.numerics for p in bi}) == 1  # one numerics: builds may switch per bucket
+    assert [p.name for p in candidates("none", False)] == ["fp32"]
+    with pytest.raises(ValueError, match="mode"):
+        candidates("int3", False)
+
+
+def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers() -> None:
+    import time
+
+    order: list[str] = []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            time.sleep(seconds)
+        return run
+
+    calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.01)] * 2}
+    ms = choice.measure_ms(calls, rounds=3)
+    assert 0.4 < ms["a"] < 1.5 and ms["slow"] >= 9.0
+    # round 0: each path's first calls (a 10 ms call ends its path's round)
+    assert order[:3] == ["a", "a", "slow"]
+    assert order.count("slow") == 2  # more than 4x behind after round 1: not timed again
+    assert order.count("a") > 4
+    assert BUCKETS == (1, 16, 64, 512)
