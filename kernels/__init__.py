@@ -1,7 +1,9 @@
 """Kernels for one step of a Llama-family model over a flattened batch.
 
 Each op has a Triton kernel and a torch reference with the same signature;
-``select_ops`` picks one set. Importing this package never needs triton: the
+``select_ops`` (``kernels.dispatch``) picks the set a model runs: the Triton kernels, or
+the torch backend (``kernels.torch_ops``: the CPU attention of ``paged_attention_cpu``
+with our C++ decode kernel, fused float32 small ops). Importing this package never needs triton: the
 Triton kernels are compiled (or interpreted) on first launch.
 
 Shapes: T tokens in the step, B sequences, Hq/Hkv query/KV heads, D head dim.
@@ -10,7 +12,8 @@ Shapes: T tokens in the step, B sequences, Hq/Hkv query/KV heads, D head dim.
 from __future__ import annotations
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.dispatch import BACKENDS, KernelOps, select_ops
+from kernels.attention_metadata import AttentionLayout, AttentionMetadata
+from kernels.dispatch import BACKENDS, KernelOps, resolve_backend, select_ops
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.paged_attention import AttentionWork, paged_attention, paged_attention_ref, plan_attention_work
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -20,6 +23,9 @@ __all__ = [
     "BACKENDS",
     "KernelOps",
     "select_ops",
+    "resolve_backend",
+    "AttentionLayout",
+    "AttentionMetadata",
     "paged_attention",
     "paged_attention_ref",
     "AttentionWork",

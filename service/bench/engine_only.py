@@ -40,7 +40,7 @@ from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
 from service.detokenizer import IncrementalDetokenizer
 from service.worker.loader import LoadedModel, load_model
-from service.worker.model import SectionTimer
+from service.worker.section_timer import SectionTimer
 from service.worker.model_runner import ModelRunner
 from service.worker.quantization.paths import machine_note
 from service.core.engine_core import EngineCore

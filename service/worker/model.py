@@ -1,4 +1,4 @@
-"""A lean Llama-family forward over a flattened, paged batch (Llama, Mistral, Qwen2, SmolLM).
+"""A Llama-family forward over a flattened, paged batch (Llama, Mistral, Qwen2, SmolLM).
 
 The model knows nothing of requests, blocks or scheduling: it gets token ids,
 positions and the attention metadata of one step, and reads and writes the
@@ -7,19 +7,14 @@ gate|up) in the `[out, in]` layout that `F.linear` reads fastest; `quantize` rep
 each by the linear layer a quantization plan builds (`service.worker.quantization`), after
 folding SmoothQuant factors where the plan quantizes activations.
 
-Two kernel paths:
-- Triton (CUDA): every kernel through one `KernelOps` (`kernels.select_ops`).
-- torch (CPU): attention through `kernels.paged_attention_cpu` with a plan made
-  once per step; in fp32 the small ops are fused torch calls with the same math as
-  the kernels' torch references (RMSNorm by `torch.rms_norm`, bit-identical; the
-  rotary embedding of q and k in one pass over the fused projection; K/V stored
-  with `index_copy_`), because on a CPU each extra op costs microseconds of
-  dispatch on every layer of every step.
+Every op other than the linear layers goes through the `KernelOps` that
+`kernels.select_ops` picked (Triton on CUDA; on the CPU, torch with our C++ decode
+attention and fused float32 ops). Benchmarks time the forward's sections from outside
+(`service.worker.section_timer`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,58 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelOps
-from kernels.paged_attention import AttentionWork
-from kernels.paged_attention_cpu import CpuAttentionPlan, cpu_paged_attention
+from kernels.attention_metadata import AttentionMetadata
 from service.worker.loader import LoadedModel
 from service.worker.quantization import AmaxObserver, DenseLinear, Linear
 from service.worker.quantization.smoothing import fold_smoothing
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Layout of one step's flattened batch of B sequences and T tokens.
-
-    slot_mapping: [T] int64, KV cache slot (block_id * block_size + offset) of each token,
-        never -1 (every token of the step is written).
-    block_tables: [B, max_blocks] int32. seq_lens: [B] int32 context incl. this step.
-    cu_seqlens_q: [B+1] int32 query start offsets.
-    work: the Triton kernel's (sequence, query tile) grid, planned once per step.
-    cpu_plan: the torch path's attention plan, made once per step.
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    work: AttentionWork | None = None      # Triton grid plan (None on the torch path)
-    cpu_plan: CpuAttentionPlan | None = None  # torch path plan (None on Triton)
-
-
-class SectionTimer:
-    """Wall time of a step split into named sections (benchmarks only).
-
-    `start()` then `lap(name)` after each section adds the time since the previous
-    mark to `seconds[name]`. On CUDA every mark synchronises the device, so only pass
-    a timer when measuring.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.seconds: dict[str, float] = {}
-        self._sync = device.type == "cuda"
-        self._last = 0.0
-
-    def _now(self) -> float:
-        if self._sync:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self._last = self._now()
-
-    def lap(self, section: str) -> None:
-        now = self._now()
-        self.seconds[section] = self.seconds.get(section, 0.0) + now - self._last
-        self._last = now
 
 
 @dataclass
@@ -116,8 +63,6 @@ class LlamaModel:
         self.scale = self.head_dim ** -0.5
         self.max_position = int(cfg.max_position_embeddings)
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
-        # The torch path's fused fp32 ops (see the module docstring).
-        self.lean = ops.name == "torch" and dtype == torch.float32
 
         def get(name: str) -> torch.Tensor:
             return w[name].to(device=device, dtype=dtype).contiguous()
@@ -229,110 +174,30 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor,
-                timer: SectionTimer | None = None) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor) -> torch.Tensor:
         """One step.
 
         input_ids, positions: [T] int64. kv_caches: one [2, num_blocks, block_size, Hkv, D]
         tensor per layer, written in place at meta.slot_mapping. logits_indices: [S] int64
-        rows of the batch that sample. timer: adds the step's time to its "linear",
-        "attention" (K/V store included) and "other" sections. Returns logits [S, V] float32.
+        rows of the batch that sample. Returns logits [S, V] float32.
         """
-        tm = timer
+        ops, eps = self.ops, self.eps
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         T = input_ids.shape[0]
-        q_size = self.num_heads * self.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]          # [T, D/2]
-        if self.lean:
-            cos, sin = cos[:, None, :], sin[:, None, :]              # [T, 1, D/2]
-        h = F.embedding(input_ids, self.embed)                       # [T, H]
+        cos, sin = ops.rotary_tables(self.cos, self.sin, positions)    # gathered: [T, ..D/2]
+        h = F.embedding(input_ids, self.embed)                         # [T, H]
         residual = h
-        x = self._norm(h, self.layers[0].ln1_w)
+        x = ops.rms_norm(h, self.layers[0].ln1_w, eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if i > 0:
-                x, residual = self._add_norm(h, residual, layer.ln1_w)
-            if tm is not None:
-                tm.lap("other")
-            qkv = layer.qkv(x)                                       # [T, (Hq + 2 Hkv) D]
-            if tm is not None:
-                tm.lap("linear")
-            q, k, v = self._rotary(qkv, cos, sin)                    # [T, Hq|Hkv|Hkv, D]
-            if tm is not None:
-                tm.lap("other")
-            o = self._attention(q, k, v, kv, meta)                   # [T, Hq, D]
-            if tm is not None:
-                tm.lap("attention")
-            h = layer.o(o.reshape(T, q_size))                        # [T, H]
-            if tm is not None:
-                tm.lap("linear")
-            x, residual = self._add_norm(h, residual, layer.ln2_w)
-            if tm is not None:
-                tm.lap("other")
-            gate_up = layer.gate_up(x)                               # [T, 2 I]
-            if tm is not None:
-                tm.lap("linear")
-            act = self._silu_and_mul(gate_up)                        # [T, I]
-            if tm is not None:
-                tm.lap("other")
-            h = layer.down(act)                                      # [T, H]
-            if tm is not None:
-                tm.lap("linear")
-        last = h[logits_indices] + residual[logits_indices]          # [S, H]: only sampling rows
-        last = self._norm(last, self.norm_w)
-        if tm is not None:
-            tm.lap("other")
-        logits = self.lm_head(last).float()                          # [S, V]
-        if tm is not None:
-            tm.lap("linear")
-        return logits
-
-    # ---- the small ops: fused torch calls on the lean path, KernelOps otherwise --------
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.lean:
-            return torch.rms_norm(x, (x.shape[-1],), w, self.eps)
-        return self.ops.rms_norm(x, w, self.eps)
-
-    def _add_norm(self, h: torch.Tensor, residual: torch.Tensor,
-                  w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(h + residual), h + residual); h, a fresh layer output, may be reused."""
-        if self.lean:
-            residual = h.add_(residual)
-            return torch.rms_norm(residual, (residual.shape[-1],), w, self.eps), residual
-        return self.ops.fused_add_rms_norm(h, residual, w, self.eps)
-
-    def _rotary(self, qkv: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split the fused projection into q, k, v and rotate q and k."""
-        T = qkv.shape[0]
-        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if not self.lean:
-            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q, k = self.ops.rotary_embedding(q.view(T, Hq, D), k.view(T, Hkv, D),
-                                             cos, sin)
-            return q, k, v.reshape(T, Hkv, D)
-        # q and k heads side by side, rotated in one pass: [T, Hq + Hkv, D]. Same values as
-        # rotary_embedding_ref: x1 c - x2 s | x2 c + x1 s (HF's q cos + rotate_half(q) sin).
-        qk = qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D)
-        half = D // 2
-        x1, x2 = qk[..., :half], qk[..., half:]
-        rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, Hq + Hkv, D]
-        return rot[:, :Hq], rot[:, Hq:], qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
-        """Store this step's K/V at meta.slot_mapping, then attend. Returns [T, Hq, D]."""
-        plan = meta.cpu_plan
-        if plan is None:
-            self.ops.store_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-            return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
-                                            meta.cu_seqlens_q, self.scale, work=meta.work)
-        T = k.shape[0]
-        width = self.num_kv_heads * self.head_dim
-        kv.view(2, -1, width)[0].index_copy_(0, meta.slot_mapping, k.reshape(T, width))
-        kv.view(2, -1, width)[1].index_copy_(0, meta.slot_mapping, v.reshape(T, width))
-        return cpu_paged_attention(q, kv[0], kv[1], plan, self.scale)
-
-    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.lean:
-            half = gate_up.shape[1] // 2
-            return F.silu(gate_up[:, :half]).mul_(gate_up[:, half:])
-        return self.ops.silu_and_mul(gate_up)
+                x, residual = ops.fused_add_rms_norm(h, residual, layer.ln1_w, eps)
+            qkv = layer.qkv(x)                                         # [T, (Hq + 2 Hkv) D]
+            q, k, v = ops.rotary_qkv(qkv, cos, sin, Hq, Hkv, D)        # [T, Hq|Hkv|Hkv, D]
+            o = ops.attention(q, k, v, kv, meta, self.scale)           # [T, Hq, D]
+            h = layer.o(o.reshape(T, Hq * D))                          # [T, H]
+            x, residual = ops.fused_add_rms_norm(h, residual, layer.ln2_w, eps)
+            gate_up = layer.gate_up(x)                                 # [T, 2 I]
+            h = layer.down(ops.silu_and_mul(gate_up))                  # [T, I] -> [T, H]
+        last = h[logits_indices] + residual[logits_indices]            # [S, H]: sampling rows
+        last = ops.rms_norm(last, self.norm_w, eps)
+        return self.lm_head(last).float()                              # [S, V]

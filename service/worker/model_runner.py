@@ -14,16 +14,18 @@ from itertools import chain
 import torch
 
 from protocol import SamplingParams
-from kernels import plan_attention_work, select_ops
-from kernels.paged_attention_cpu import plan_cpu_attention
+from kernels import AttentionLayout, AttentionMetadata, resolve_backend, select_ops
 from service.core.config import EngineConfig
 from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
-from service.worker.model import AttentionMetadata, LlamaModel, SectionTimer
+from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
+from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
+from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.plan import LinearPlan
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
+from service.worker.section_timer import SectionTimer
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -68,11 +70,18 @@ class ModelRunner:
         decode_setting = "cpp" if mc.batch_invariant else mc.cpu_decode_kernel
         self.batch_invariant = mc.batch_invariant
         if decode_setting == "cpp" and self.device.type == "cpu":
-            self._check_kernel_builds()  # before the model load: fail in a second, not in 20
+            check_decode_kernel_builds()  # before the model load: fail in a second, not in 20
         self.loaded = loaded or load_model(mc.model, self.dtype)
-        self.ops = select_ops(mc.attention_backend, self.device)
+        cfg = self.loaded.hf_config
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.decode_kernel = choose_decode_kernel(
+            decode_setting, resolve_backend(mc.attention_backend, self.device), self.device,
+            self.dtype, heads, kv_heads, head_dim)
+        self.ops = select_ops(mc.attention_backend, self.device, AttentionLayout(
+            heads, kv_heads, head_dim, self.dtype, cc.block_size, self.decode_kernel,
+            all_rows=self.batch_invariant))
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
-        self.decode_kernel = self._choose_decode_kernel(decode_setting)
         # Benchmarks set a SectionTimer here to split execute() into build_batch,
         # linear, attention, other and sample; None (the default) costs nothing.
         self.timer: SectionTimer | None = None
@@ -89,13 +98,12 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
-        self._kv_bytes_per_layer_token = self.model.kv_bytes_per_token(self.dtype) // \
-            self.model.num_layers
         self.kv_bytes_per_block = per_block
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
         if mc.quantization is not None or mc.batch_invariant:
-            self._apply_linear_plan(mc.quantization or "none", mc.batch_invariant)
+            self.linear_plan = apply_linear_plan(self.model, mc.quantization or "none",
+                                                 mc.batch_invariant, self.calibrate)
         # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
@@ -105,52 +113,6 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB; swap space %d blocks",
                  self.num_blocks, cc.block_size, self.kv_cache_bytes / 2**20,
                  self.num_swap_blocks)
-
-    @staticmethod
-    def _check_kernel_builds() -> None:
-        """Raises ValueError when the C++ decode kernel does not build (cpu_decode_kernel cpp)."""
-        from kernels import decode_attention_cpu as dac
-
-        problem = dac.build_problem()
-        if problem is not None:
-            raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
-                             f"used: {problem}")
-
-    def _choose_decode_kernel(self, setting: str) -> str:
-        """The torch path's decode attention: "cpp" or "sdpa" ("none" on Triton).
-
-        Raises:
-            ValueError: setting "cpp" where the kernel does not apply (not the CPU
-                torch path, or a dtype / head layout it lacks) or does not build.
-        """
-        from kernels import decode_attention_cpu as dac
-
-        m = self.model
-        build_failed = False
-        if self.ops.name != "torch":
-            applies, why = False, f"the {self.ops.name} kernels run attention"
-        elif self.device.type != "cpu":
-            applies, why = False, f"device {self.device} is not the CPU"
-        elif not dac.supports(self.dtype, m.num_heads, m.num_kv_heads, m.head_dim):
-            applies, why = False, (f"dtype {self.dtype} with {m.num_heads}/{m.num_kv_heads} "
-                                   f"heads of {m.head_dim} is not covered "
-                                   f"(fp32, D in {dac.HEAD_DIMS})")
-        else:
-            applies, why = True, ""
-            problem = dac.build_problem() if setting != "sdpa" else None
-            if problem is not None:
-                applies, why, build_failed = False, problem, True
-        if setting == "cpp" and not applies:
-            raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
-                             f"used: {why}")
-        if self.ops.name != "torch":
-            return "none"
-        if setting == "auto" and not applies:
-            # a failed build deserves a warning; a device or model it does not cover does not
-            log.log(logging.WARNING if build_failed else logging.INFO,
-                    "decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
-            return "sdpa"
-        return "sdpa" if setting == "sdpa" else "cpp"
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
@@ -193,19 +155,13 @@ class ModelRunner:
         sample_mask = torch.tensor([s.sample for s in seqs], dtype=torch.bool)
         logits_indices = cu_q[1:][sample_mask] - 1
         dev = self.device
-        torch_path = self.ops.name == "torch"
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_tables=table.to(dev, torch.int32),
             seq_lens=seq_lens.to(dev, torch.int32),
             cu_seqlens_q=cu_q.to(dev, torch.int32),
-            work=(None if torch_path else
-                  plan_attention_work(cu_q, self.model.num_heads, self.model.num_kv_heads, dev)),
-            cpu_plan=(plan_cpu_attention(q_lens, [c + q for c, q in zip(computed_list, q_lens)],
-                                         table.to(dev), bs, self._kv_bytes_per_layer_token,
-                                         decode_kernel=self.decode_kernel,
-                                         all_rows=self.batch_invariant)
-                      if torch_path else None),
+            plan=self.ops.plan_step(q_lens, [c + q for c, q in zip(computed_list, q_lens)],
+                                    cu_q, table, dev),
         )
         return ids.to(dev), positions.to(dev), meta, logits_indices.to(dev)
 
@@ -230,10 +186,6 @@ class ModelRunner:
 
         Uses blocks of the empty cache as scratch: call before any request runs.
         """
-        import time
-        from service.core.scheduler_output import ScheduledSequence
-        from protocol import SamplingParams
-
         swap_bw = 0.0
         n = min(32, self.num_blocks, self.num_swap_blocks)
         if n:
@@ -255,30 +207,6 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             rate = tokens / max(time.perf_counter() - t, 1e-9)
         return swap_bw, rate
-
-    @torch.inference_mode()
-    def _apply_linear_plan(self, mode: str, batch_invariant: bool) -> None:
-        """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached
-        per machine), log the table, calibrate SmoothQuant where an activation-quantizing
-        path serves, and replace the model's linear layers.
-
-        Raises ValueError when no kernel of the mode can run here (int4 or batch-invariant
-        without the C++ kernels)."""
-        from service.worker.quantization.choice import choose_plan
-        from service.worker.quantization.paths import candidates, machine_note
-
-        plan = choose_plan(self.model.linear_weights(), candidates(mode, batch_invariant), mode,
-                           batch_invariant)
-        log.info("%s\n  (%s)", plan.table(), machine_note())
-        if mode == "int8" and plan.all_fp32():
-            log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "
-                        "serving fp32", machine_note())
-        smooth = plan.smoothed_classes()
-        observed = self.calibrate() if smooth else None
-        self.model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
-        self.linear_plan = plan
-        log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
-                 ", ".join(sorted(smooth)) or "none")
 
     @torch.inference_mode()
     def calibrate(self) -> list:
@@ -372,13 +300,17 @@ class ModelRunner:
         if not out.sequences:
             return RunnerOutput({})
         tm = self.timer
-        if tm is not None:
+        if tm is None:
+            return self._forward_and_sample(out, None)
+        with tm.instrument(self.model):  # laps "linear", "attention", "other" inside
             tm.start()
+            return self._forward_and_sample(out, tm)
+
+    def _forward_and_sample(self, out: SchedulerOutput, tm: SectionTimer | None) -> RunnerOutput:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
         if tm is not None:
             tm.lap("build_batch")
-        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices,
-                                    timer=tm)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
         sampling = [s for s in out.sequences if s.sample]
         if not sampling:
             return RunnerOutput({})

@@ -1,4 +1,5 @@
-"""select_ops: backend choice and its errors; kernels importable without triton."""
+"""select_ops: backend choice and its errors, the torch backend's ops against the references;
+kernels importable without triton."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import KernelOps, select_ops
+from kernels import AttentionLayout, KernelOps, select_ops
 from kernels import _triton
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,15 +30,45 @@ def test_kernels_run_natively_on_cuda_or_interpreted_on_cpu() -> None:
         assert isinstance(jitted, InterpretedFunction)
 
 
-def test_torch_backend_returns_references() -> None:
+def test_torch_backend_fp32_is_the_fused_cpu_path_and_other_dtypes_the_references() -> None:
+    from kernels import torch_ops
+
     ops = select_ops("torch", torch.device("cpu"))
     assert isinstance(ops, KernelOps) and ops.name == "torch"
-    assert ops.paged_attention is kernels.paged_attention_ref
-    assert ops.store_kv is kernels.store_kv_ref
-    assert ops.rms_norm is kernels.rms_norm_ref
-    assert ops.fused_add_rms_norm is kernels.fused_add_rms_norm_ref
-    assert ops.rotary_embedding is kernels.rotary_embedding_ref
-    assert ops.silu_and_mul is kernels.silu_and_mul_ref
+    assert ops.rms_norm is torch_ops.rms_norm_f32
+    assert ops.attention is torch_ops.attention_cpu
+    half = select_ops("torch", torch.device("cpu"),
+                      AttentionLayout(2, 1, 16, dtype=torch.bfloat16))
+    assert half.rms_norm is kernels.rms_norm_ref
+    assert half.fused_add_rms_norm is kernels.fused_add_rms_norm_ref
+    assert half.silu_and_mul is kernels.silu_and_mul_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_ops_match_the_references(dtype) -> None:
+    """The fused float32 ops are the references' math (RMSNorm bit for bit)."""
+    torch.manual_seed(0)
+    T, Hq, Hkv, D = 5, 4, 2, 16
+    ops = select_ops("torch", "cpu", AttentionLayout(Hq, Hkv, D, dtype=dtype))
+    x, r, w = (torch.randn(T, 32, dtype=dtype) for _ in range(3))
+    w = w[0]
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), kernels.rms_norm_ref(x, w, 1e-5))
+    got = ops.fused_add_rms_norm(x.clone(), r, w, 1e-5)
+    want = kernels.fused_add_rms_norm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(ops.silu_and_mul(x), kernels.silu_and_mul_ref(x))
+    cos_t, sin_t = torch.randn(10, D // 2, dtype=dtype), torch.randn(10, D // 2, dtype=dtype)
+    pos = torch.tensor([0, 3, 3, 9, 1])
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)
+    q, k, v = ops.rotary_qkv(qkv, *ops.rotary_tables(cos_t, sin_t, pos), Hq, Hkv, D)
+    q_ref, k_ref = kernels.rotary_embedding_ref(qkv[:, :Hq * D].view(T, Hq, D),
+                                                qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
+                                                cos_t[pos], sin_t[pos])
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, **tol)
+    assert torch.equal(v, qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D))
 
 
 def test_auto_backend_picks_by_device() -> None:
@@ -49,8 +80,8 @@ def test_triton_backend_returns_kernels(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ops = select_ops("triton", torch.device("cpu"))
     assert ops.name == "triton"
-    assert ops.paged_attention is kernels.paged_attention
-    assert ops.store_kv is kernels.store_kv
+    assert ops.rms_norm is kernels.rms_norm
+    assert ops.fused_add_rms_norm is kernels.fused_add_rms_norm
     assert ops.silu_and_mul is kernels.silu_and_mul
 
 

@@ -1,0 +1,64 @@
+"""Which decode attention the torch backend runs: our C++ kernel or SDPA (policy only).
+
+`--cpu-decode-kernel auto|cpp|sdpa` (`ModelConfig.cpu_decode_kernel`); the kernel itself is
+`kernels.decode_attention_cpu`, built with g++ on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def check_decode_kernel_builds() -> None:
+    """Raises ValueError when the C++ decode kernel does not build (cpu_decode_kernel cpp);
+    called before the model loads, to fail in a second rather than after it."""
+    from kernels import decode_attention_cpu as dac
+
+    problem = dac.build_problem()
+    if problem is not None:
+        raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
+                         f"used: {problem}")
+
+
+def choose_decode_kernel(setting: str, backend: str, device: torch.device, dtype: torch.dtype,
+                         num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """The decode attention for this model: "cpp" or "sdpa" on the torch backend, "none" on
+    Triton (which runs its own).
+
+    setting: "auto" (cpp when it applies and builds, else sdpa: a failed build is logged as
+    a warning), "cpp" or "sdpa". backend: "torch" or "triton" (`kernels.resolve_backend`).
+
+    Raises:
+        ValueError: setting "cpp" where the kernel does not apply (not the CPU torch
+            backend, or a dtype / head layout it lacks) or does not build.
+    """
+    from kernels import decode_attention_cpu as dac
+
+    build_failed = False
+    if backend != "torch":
+        applies, why = False, f"the {backend} kernels run attention"
+    elif device.type != "cpu":
+        applies, why = False, f"device {device} is not the CPU"
+    elif not dac.supports(dtype, num_heads, num_kv_heads, head_dim):
+        applies, why = False, (f"dtype {dtype} with {num_heads}/{num_kv_heads} heads of "
+                               f"{head_dim} is not covered (fp32, D in {dac.HEAD_DIMS})")
+    else:
+        applies, why = True, ""
+        problem = dac.build_problem() if setting != "sdpa" else None
+        if problem is not None:
+            applies, why, build_failed = False, problem, True
+    if setting == "cpp" and not applies:
+        raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
+                         f"used: {why}")
+    if backend != "torch":
+        return "none"
+    if setting == "auto" and not applies:
+        # a failed build deserves a warning; a device or model it does not cover does not
+        log.log(logging.WARNING if build_failed else logging.INFO,
+                "decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
+        return "sdpa"
+    return "sdpa" if setting == "sdpa" else "cpp"
