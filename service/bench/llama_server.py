@@ -18,15 +18,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
-from service.bench.server_process import HOST, free_port
+from service.bench.server_process import HOST, HealthCheckedProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BIN_DIR = ROOT / "build" / "llama.cpp" / "bin"
@@ -99,9 +94,10 @@ def slot_context(input_lens: Sequence[int], max_tokens: Sequence[int], align: in
     return -(-need // align) * align
 
 
-class LlamaServerProcess:
+class LlamaServerProcess(HealthCheckedProcess):
     """`llama-server -m MODEL -np N -c N*CTX -t THREADS --host 127.0.0.1 --port P` as a
-    subprocess. Use as a context manager; `base_url` is http://127.0.0.1:P once started.
+    subprocess, stopped with SIGTERM. Use as a context manager; `base_url` is
+    http://127.0.0.1:P once started.
 
     Args:
         binary: path of llama-server. model: the GGUF file.
@@ -109,6 +105,11 @@ class LlamaServerProcess:
         threads: CPU threads for generation and for prompt batches (-t, -tb).
         extra_args: more llama-server flags. start_timeout_s: load + /health budget.
     """
+
+    name = "llama-server"
+    stop_signal = signal.SIGTERM
+    poll_s = 0.25
+    close_timeout_s = 10.0
 
     def __init__(self, binary: str | Path, model: str | Path, *, n_parallel: int, slot_ctx: int,
                  threads: int, extra_args: Sequence[str] = (), start_timeout_s: float = 300.0) -> None:
@@ -121,19 +122,16 @@ class LlamaServerProcess:
         self.slot_ctx = slot_ctx
         self.threads = threads
         self.extra_args = list(extra_args)
-        self.start_timeout_s = start_timeout_s
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="conveyor-bench-llama-server-",
-                                                suffix=".log", delete=False)
+        super().__init__(start_timeout_s=start_timeout_s,
+                         log_prefix="conveyor-bench-llama-server-")
 
     @property
     def base_url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
     @property
-    def log_path(self) -> str:
-        return self._log.name
+    def health_url(self) -> str:  # 503 while the model loads, 200 once it serves
+        return self.base_url + "/health"
 
     @property
     def argv(self) -> list[str]:
@@ -141,50 +139,3 @@ class LlamaServerProcess:
                 "-np", str(self.n_parallel), "-c", str(self.n_parallel * self.slot_ctx),
                 "-t", str(self.threads), "-tb", str(self.threads), "--no-webui",
                 *self.extra_args]
-
-    def start(self) -> LlamaServerProcess:
-        """Start it and wait for /health 200. Raises RuntimeError (with the log's tail)
-        when it exits first or is not healthy in time (it is stopped then)."""
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {self.proc.returncode} "
-                                   f"while starting:\n{self.log_tail()}")
-            if self._healthy():
-                return self
-            time.sleep(0.25)
-        self.close()
-        raise RuntimeError(f"llama-server was not healthy within {self.start_timeout_s:g} s:\n"
-                           f"{self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        try:  # 503 while the model loads, 200 once it serves
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop it (SIGTERM, then SIGKILL after timeout_s). Idempotent."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> LlamaServerProcess:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Self
 
 HOST = "127.0.0.1"
 
@@ -31,10 +32,95 @@ def free_port(host: str = HOST) -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """`python -m service.cli serve --host 127.0.0.1 --port P <serve_args>` as a subprocess.
+class HealthCheckedProcess:
+    """A server subprocess on a free local port: started, ready once `health_url` answers
+    200, stopped with `stop_signal` (then SIGKILL); its output goes to a log file whose
+    tail is shown when it fails to start. Subclasses give `argv` and `health_url`.
 
-    Use as a context manager, or `start()` then `close()`. `url` is the WebSocket
+    Use as a context manager, or `start()` then `close()`.
+    """
+
+    name = "the server"          # in error messages
+    stop_signal = signal.SIGINT
+    poll_s = 0.5                 # between health checks while starting
+    close_timeout_s = 15.0
+
+    def __init__(self, *, start_timeout_s: float, log_prefix: str) -> None:
+        self.start_timeout_s = start_timeout_s
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
+
+    @property
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def health_url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def env(self) -> dict[str, str] | None:
+        return None
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    def start(self) -> Self:
+        """Start the process and wait until /health answers 200.
+
+        Raises RuntimeError (with the log's tail) if the process exits first or does not
+        become healthy within start_timeout_s (it is then stopped).
+        """
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while "
+                                   f"starting:\n{self.log_tail()}")
+            if self._healthy():
+                return self
+            time.sleep(self.poll_s)
+        self.close()
+        raise RuntimeError(f"{self.name} was not healthy within {self.start_timeout_s:g} s:\n"
+                           f"{self.log_tail()}")
+
+    def _healthy(self) -> bool:
+        try:  # e.g. 503 while a model loads, 200 once it serves
+            with urllib.request.urlopen(self.health_url, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop it (stop_signal, then SIGKILL after timeout_s). Idempotent."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(self.stop_signal)
+            try:
+                proc.wait(self.close_timeout_s if timeout_s is None else timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class ServerProcess(HealthCheckedProcess):
+    """`python -m service.cli serve --host 127.0.0.1 --port P <serve_args>` as a subprocess
+    (stopped with SIGINT: `conveyor serve` exits cleanly on Ctrl-C). `url` is the WebSocket
     endpoint once started.
 
     Args:
@@ -43,12 +129,8 @@ class ServerProcess:
     """
 
     def __init__(self, serve_args: Sequence[str] = (), *, start_timeout_s: float = 600.0) -> None:
+        super().__init__(start_timeout_s=start_timeout_s, log_prefix="conveyor-bench-server-")
         self.serve_args = list(serve_args)
-        self.start_timeout_s = start_timeout_s
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="conveyor-bench-server-", suffix=".log",
-                                                delete=False)
 
     @property
     def url(self) -> str:
@@ -59,61 +141,10 @@ class ServerProcess:
         return f"http://{HOST}:{self.port}/health"
 
     @property
-    def log_path(self) -> str:
-        return self._log.name
-
-    @property
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "service.cli", "serve", "--host", HOST,
                 "--port", str(self.port), "--log-level", "warning", *self.serve_args]
 
-    def start(self) -> ServerProcess:
-        """Start the process and wait until /health answers 200.
-
-        Raises RuntimeError (with the log's tail) if the process exits first or does not
-        become healthy within start_timeout_s (it is then stopped).
-        """
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} while "
-                                   f"starting:\n{self.log_tail()}")
-            if self._healthy():
-                return self
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"the server was not healthy within {self.start_timeout_s:g} s:\n"
-                           f"{self.log_tail()}")
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.health_url, timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def close(self, timeout_s: float = 15.0) -> None:
-        """Stop the server (SIGINT, then SIGKILL after timeout_s). Idempotent."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # `conveyor serve` exits cleanly on Ctrl-C
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, PYTHONUNBUFFERED="1")
