@@ -20,19 +20,23 @@ class ProtocolError(Exception):
         message: human-readable reason.
         param: JSON path of the offending field (e.g. "$.params.max_tokens") or None.
         request_id: the request's id, or None when the frame could not be tied to one.
-        retryable: whether the same request may succeed later unchanged.
+        retryable: whether the same request may succeed later unchanged (the class's
+            default unless given: a received frame's own flag wins).
     """
 
     code: ClassVar[ErrorCode] = "internal_error"
-    retryable: ClassVar[bool] = False
+    retryable: bool = False
 
     def __init__(
-        self, message: str, *, param: str | None = None, request_id: str | None = None
+        self, message: str, *, param: str | None = None, request_id: str | None = None,
+        retryable: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.request_id = request_id
+        if retryable is not None:
+            self.retryable = retryable
 
     def to_frame(self) -> Error:
         """The `error` frame that reports this exception."""
@@ -73,7 +77,7 @@ class Overloaded(ProtocolError):
     """The admission queue is full; retry after `retry_after_ms` milliseconds."""
 
     code: ClassVar[ErrorCode] = "overloaded"
-    retryable: ClassVar[bool] = True
+    retryable = True
 
     def __init__(
         self,
@@ -82,10 +86,11 @@ class Overloaded(ProtocolError):
         retry_after_ms: int,
         param: str | None = None,
         request_id: str | None = None,
+        retryable: bool | None = None,
     ) -> None:
         if retry_after_ms < 0:
             raise ValueError(f"retry_after_ms must be >= 0, got {retry_after_ms}")
-        super().__init__(message, param=param, request_id=request_id)
+        super().__init__(message, param=param, request_id=request_id, retryable=retryable)
         self.retry_after_ms = retry_after_ms
 
     def to_frame(self) -> Error:
@@ -104,7 +109,7 @@ class ShuttingDown(ProtocolError):
     """The server is draining and takes no new requests; another instance may."""
 
     code: ClassVar[ErrorCode] = "shutting_down"
-    retryable: ClassVar[bool] = True
+    retryable = True
 
 
 class Unauthorized(ProtocolError):
@@ -148,7 +153,9 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
 
 
 def error_from_frame(frame: Error) -> ProtocolError:
-    """The exception matching a received `error` frame (client side).
+    """The exception matching a received `error` frame (client side), with the frame's
+    own `retryable` (e.g. a cluster's `internal_error` for a replica that died is
+    retryable on another replica).
 
     `overloaded` gives an `Overloaded` whose `retry_after_ms` is the frame's
     (0 when the frame has none).
@@ -159,8 +166,10 @@ def error_from_frame(frame: Error) -> ProtocolError:
             retry_after_ms=frame.retry_after_ms or 0,
             param=frame.param,
             request_id=frame.id,
+            retryable=frame.retryable,
         )
-    return _BY_CODE[frame.code](frame.message, param=frame.param, request_id=frame.id)
+    return _BY_CODE[frame.code](frame.message, param=frame.param, request_id=frame.id,
+                                retryable=frame.retryable)
 
 
 __all__ = [

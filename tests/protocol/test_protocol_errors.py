@@ -47,6 +47,20 @@ def test_each_code_round_trips_through_the_wire(cls: type[ProtocolError]) -> Non
     back = error_from_frame(received)
     assert type(back) is cls
     assert (back.message, back.param, back.request_id) == ("it failed", "$.params.top_k", "r7")
+    assert back.retryable == retryable
+
+
+def test_a_frames_own_retryable_flag_survives_the_client() -> None:
+    """A cluster sends a retryable internal_error for a replica that died; the client's
+    InternalError says so, and the class default stays as it was."""
+    frame = Error(id="r9", code="internal_error", param=None, message="replica died",
+                  retryable=True)
+    back = error_from_frame(decode_server_frame(encode(frame)))
+    assert isinstance(back, InternalError) and back.retryable is True
+    assert back.to_frame() == frame
+    assert InternalError("x").retryable is False and InternalError.retryable is False
+    assert error_from_frame(Error(id=None, code="shutting_down", param=None, message="m",
+                                  retryable=False)).retryable is False
 
 
 def test_overloaded_carries_retry_after() -> None:
