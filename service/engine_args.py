@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -54,15 +55,14 @@ def _add_fields(group: Any, cls: type) -> None:
             kw["default"] = default
         else:
             parse = meta.get("parse") or kind
-            if none is not None:
-                kw["type"] = lambda text, _p=parse, _n=none: None if text == _n else _p(text)
-                kw["default"] = None
+            if none is not None:  # the word stays a word here (help, errors); _build maps it
+                kw["type"] = lambda text, _p=parse, _n=none: text if text == _n else _p(text)
+                kw["default"] = none if default is None else default
             else:
                 kw["type"] = parse
                 kw["default"] = default
             if "choices" in meta:
-                kw["choices"] = list(meta["choices"]) if none is None else \
-                    [None if c == none else c for c in meta["choices"]]
+                kw["choices"] = list(meta["choices"])
                 kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
             elif "metavar" in meta:
                 kw["metavar"] = meta["metavar"]
@@ -92,13 +92,33 @@ def _build(cls: type, ns: argparse.Namespace) -> Any:
         if dataclasses.is_dataclass(hint):
             kw[f.name] = _build(hint, ns)
         elif "help" in f.metadata and hasattr(ns, f.name):
-            kw[f.name] = getattr(ns, f.name)
+            value = getattr(ns, f.name)
+            none = f.metadata.get("none")
+            kw[f.name] = None if none is not None and value == none else value
     return cls(**kw)
 
 
+def _in_flag_terms(e: ValueError, *classes: type) -> ValueError:
+    """The config's error with its snake_case field names written as their flags
+    ("batch_invariant must be ..." -> "--batch-invariant must be ...")."""
+    text = str(e)
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata and "_" in f.name:
+                text = re.sub(rf"(?<![\w-]){f.name}\b", _flag(f.name), text)
+    return ValueError(text)
+
+
 def engine_config(ns: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of parsed engine flags (raises ValueError for bad values)."""
-    return _build(EngineConfig, ns)
+    """The EngineConfig of parsed engine flags (raises ValueError for bad values, naming
+    the flags)."""
+    try:
+        return _build(EngineConfig, ns)
+    except ValueError as e:
+        parts = [cls for _, cls in ENGINE_GROUPS]
+        parts += [h for cls in parts for h in typing.get_type_hints(cls).values()
+                  if dataclasses.is_dataclass(h)]
+        raise _in_flag_terms(e, *parts) from e
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:

@@ -133,14 +133,15 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
 
 def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
     widths = [max(12, len(s)) for s in SECTIONS]
-    head = (f"{'scenario':<12} {'variant':<14} {'tok/s':>8} {'steps/s':>8} {'ms/step':>8} |"
+    vw = max([14] + [len(v) for by_v in results.values() for v in by_v])
+    head = (f"{'scenario':<12} {'variant':<{vw}} {'tok/s':>8} {'steps/s':>8} {'ms/step':>8} |"
             + "".join(f" {s:>{w}}" for s, w in zip(SECTIONS, widths)))
     lines = [head, "-" * len(head)]
     for scenario, by_variant in results.items():
         for variant, r in by_variant.items():
             sec = r["sections_ms_mean"]
             assert isinstance(sec, dict)
-            lines.append(f"{scenario:<12} {variant:<14} {r['tokens_per_s']:>8.1f} "
+            lines.append(f"{scenario:<12} {variant:<{vw}} {r['tokens_per_s']:>8.1f} "
                          f"{r['steps_per_s']:>8.2f} {r['ms_per_step_median']:>8.2f} |"
                          + "".join(f" {sec[s]:>{w}.3f}" for s, w in zip(SECTIONS, widths)))
     return "\n".join(lines)

@@ -152,9 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", default="int8", choices=["int8", "int4"],
                    help="the --quantization to compare with fp32")
-    p.add_argument("--prompts", type=int, default=20, metavar="N")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--prompts", type=int, default=20, metavar="N",
+                   help="chat prompts whose greedy continuations are compared (default 20)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="greedy tokens per prompt (default 64)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the report (figures and the linear kernel plan) as JSON")
     a = p.parse_args(sys.argv[1:] if argv is None else list(argv))
     if a.prompts < 2 or a.max_tokens < 1:
         print("accuracy: --prompts must be >= 2 and --max-tokens >= 1", file=sys.stderr)

@@ -135,7 +135,7 @@ class ModelConfig:
         _check(self.quantization in (None, "int8", "int4"), "quantization",
                'None, "int8" or "int4"', self.quantization)
         _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
-               "quantization", 'None unless dtype is "float32" and device "cpu"',
+               "quantization", 'none unless dtype is "float32" and device "cpu"',
                self.quantization)
         _check(not self.batch_invariant or (self.dtype == "float32" and self.device == "cpu"
                                             and self.attention_backend != "triton"

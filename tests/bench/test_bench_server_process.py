@@ -21,7 +21,7 @@ def test_a_server_that_cannot_start_is_reported_with_its_log():
     try:
         with pytest.raises(RuntimeError, match="exited with code 2") as info:
             server.start()
-        assert "max_num_seqs must be >= 1" in str(info.value)
+        assert "--max-num-seqs must be >= 1" in str(info.value)
     finally:
         server.close()
     server.close()  # idempotent

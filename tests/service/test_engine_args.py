@@ -49,8 +49,11 @@ def test_flags_reach_nested_configs_and_parse_their_units():
 
 
 def test_bad_values_are_refused_by_the_configs_own_checks():
-    with pytest.raises(ValueError, match="max_num_seqs"):
+    with pytest.raises(ValueError, match="^--max-num-seqs must be >= 1, got 0"):
         engine_config(parser().parse_args(["--max-num-seqs", "0"]))
+    # the error names the flags a user typed, not the config's field names
+    with pytest.raises(ValueError, match='--batch-invariant must be .*--cpu-decode-kernel not "sdpa"'):
+        engine_config(parser().parse_args(["--batch-invariant", "--cpu-decode-kernel", "sdpa"]))
     with pytest.raises(SystemExit):
         parser().parse_args(["--batching", "sometimes"])
 

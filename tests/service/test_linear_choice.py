@@ -168,20 +168,22 @@ def test_candidates_per_mode() -> None:
         candidates("int3", False)
 
 
-def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers() -> None:
-    import time
-
+def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monkeypatch) -> None:
+    """On a fake clock (each call advances it by its duration): no sleeping, so the order
+    and the figures do not depend on how busy the machine is."""
+    now = [0.0]
+    monkeypatch.setattr(choice, "_clock", lambda: now[0])
     order: list[str] = []
 
     def call(name: str, seconds: float):
         def run() -> None:
             order.append(name)
-            time.sleep(seconds)
+            now[0] += seconds
         return run
 
     calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.01)] * 2}
     ms = choice.measure_ms(calls, rounds=3)
-    assert 0.4 < ms["a"] < 1.5 and ms["slow"] >= 9.0
+    assert ms == {"a": pytest.approx(0.5), "slow": pytest.approx(10.0)}
     # round 0: each path's first calls (a 10 ms call ends its path's round)
     assert order[:3] == ["a", "a", "slow"]
     assert order.count("slow") == 2  # more than 4x behind after round 1: not timed again

@@ -109,6 +109,11 @@ class LinearPlan:
         for cls, rows in self.timings_ms.items():
             errs = self.errors.get(cls, {})
             for b, row in enumerate(rows):
+                if cls == "lm_head" and b == len(BUCKETS) - 1:  # choice.py copies bucket 64
+                    lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: not timed (one row per "
+                                 f"sampling sequence); as {BUCKETS[b - 1]} rows: "
+                                 f"{self.choices[cls][b]}")
+                    continue
                 cells = " ".join(f"{'*' if name == self.choices[cls][b] else ''}{name} {ms:.3f}"
                                  for name, ms in row.items())
                 lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: {cells}")
