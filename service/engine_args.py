@@ -20,7 +20,8 @@ from typing import Any
 
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
-__all__ = ["add_engine_args", "add_server_args", "engine_config", "server_config"]
+__all__ = ["add_config_args", "add_engine_args", "add_server_args", "build_config",
+           "engine_config", "server_config"]
 
 # (title of the --help group, config class); nested config fields (SchedulerConfig.policy)
 # are flattened into their parent's group
@@ -41,7 +42,8 @@ def _scalar_type(cls: type, name: str) -> Any:
     return hint
 
 
-def _add_fields(group: Any, cls: type) -> None:
+def add_config_args(group: Any, cls: type) -> None:
+    """A flag per field of `cls` declared with `option(...)`, added to `group`."""
     for f in dataclasses.fields(cls):
         meta = f.metadata
         if "help" not in meta:
@@ -55,7 +57,7 @@ def _add_fields(group: Any, cls: type) -> None:
             kw["default"] = default
         else:
             parse = meta.get("parse") or kind
-            if none is not None:  # the word stays a word here (help, errors); _build maps it
+            if none is not None:  # the word stays a word here (help, errors); build_config maps it
                 kw["type"] = lambda text, _p=parse, _n=none: text if text == _n else _p(text)
                 kw["default"] = none if default is None else default
             else:
@@ -73,29 +75,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (shared by `serve`, `bench` and the engine-only benchmark)."""
     for title, cls in ENGINE_GROUPS:
         group = parser.add_argument_group(title)
-        _add_fields(group, cls)
+        add_config_args(group, cls)
         if cls is not EngineConfig:  # EngineConfig's parts have groups of their own
             for hint in typing.get_type_hints(cls).values():
                 if dataclasses.is_dataclass(hint):  # e.g. SchedulerConfig.policy
-                    _add_fields(group, hint)
+                    add_config_args(group, hint)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The network flags of `conveyor serve`."""
-    _add_fields(parser.add_argument_group("network"), ServerConfig)
+    add_config_args(parser.add_argument_group("network"), ServerConfig)
 
 
-def _build(cls: type, ns: argparse.Namespace) -> Any:
+def build_config(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
+    """`cls` from the parsed flags of its option fields (nested configs too), then
+    `overrides`; its `__post_init__` checks the values (ValueError)."""
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         hint = typing.get_type_hints(cls)[f.name]
         if dataclasses.is_dataclass(hint):
-            kw[f.name] = _build(hint, ns)
+            kw[f.name] = build_config(hint, ns)
         elif "help" in f.metadata and hasattr(ns, f.name):
             value = getattr(ns, f.name)
             none = f.metadata.get("none")
             kw[f.name] = None if none is not None and value == none else value
-    return cls(**kw)
+    return cls(**{**kw, **overrides})
 
 
 def _in_flag_terms(e: ValueError, *classes: type) -> ValueError:
@@ -113,7 +117,7 @@ def engine_config(ns: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine flags (raises ValueError for bad values, naming
     the flags)."""
     try:
-        return _build(EngineConfig, ns)
+        return build_config(EngineConfig, ns)
     except ValueError as e:
         parts = [cls for _, cls in ENGINE_GROUPS]
         parts += [h for cls in parts for h in typing.get_type_hints(cls).values()
@@ -124,7 +128,7 @@ def engine_config(ns: argparse.Namespace) -> EngineConfig:
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     """The ServerConfig of parsed network flags; --api-key falls back to $CONVEYOR_API_KEY
     (raises ValueError for bad values)."""
-    config = _build(ServerConfig, ns)
+    config = build_config(ServerConfig, ns)
     if config.api_key is None and os.environ.get("CONVEYOR_API_KEY"):
         config = dataclasses.replace(config, api_key=os.environ["CONVEYOR_API_KEY"])
     return config
