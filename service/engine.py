@@ -35,6 +35,7 @@ from protocol import (
     ShuttingDown,
 )
 from service.admission import Preprocessor
+from service.drain import Drainable
 from service.config import EngineConfig
 from service.core.engine_core import CoreStats, EngineCore
 from service.core.kv_cache_manager import PreemptionCost
@@ -51,7 +52,7 @@ from service.tokenize_prompt import PromptTokenizer
 log = structlog.get_logger(__name__)
 
 
-class Engine:
+class Engine(Drainable):
     """Continuous-batching engine usable from any asyncio application.
 
     Args:
@@ -137,20 +138,6 @@ class Engine:
         release = getattr(self._runner, "release", None)
         if release is not None:
             release()  # the KV cache and weights go now, not at the next GC
-
-    def begin_shutdown(self) -> None:
-        """Stop accepting requests (new ones get ShuttingDown); running ones go on."""
-        self.accepting = False
-
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no request is in flight; False if `timeout` seconds passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self.num_unfinished:
-            if deadline is not None and loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
 
     def health(self) -> tuple[bool, str]:
         """(serving, why): False while loading or draining, when the step loop has died,

@@ -35,6 +35,7 @@ from ray.exceptions import RayActorError
 from protocol import (ChatMessage, Delta, Done, DuplicateId, Error, InternalError,
                       SamplingParams, ShuttingDown, Timings, Usage, error_from_frame)
 from service.admission import Preprocessor
+from service.drain import Drainable
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.core.block_pool import KVBlockPool
@@ -92,7 +93,7 @@ class _Remote:
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
-class RemoteEngine:
+class RemoteEngine(Drainable):
     """Engine-like front for a deployment of EngineReplica (see the module docstring).
 
     Args:
@@ -130,20 +131,6 @@ class RemoteEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._live) + len(self._admitting)
-
-    def begin_shutdown(self) -> None:
-        """New requests get ShuttingDown; the ones in flight go on."""
-        self.accepting = False
-
-    async def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no request is in flight; False if `timeout` seconds passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while self.num_unfinished:
-            if deadline is not None and loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
 
     async def close(self) -> None:
         """Cancel every stream (each still gets an error and its Done); stop the pool."""
