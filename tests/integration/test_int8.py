@@ -52,7 +52,8 @@ def test_int8_model_follows_its_plan_and_fp32_is_untouched(loaded_model, runners
     # chosen by measurement: never slower than fp32 where fp32 was timed
     for cls in CLASSES:
         for b, row in enumerate(plan.timings_ms[cls]):
-            assert row[plan.choices[cls][b]] <= row.get("fp32", float("inf"))
+            if row:  # an untimed bucket (the LM head's 512) takes the bucket below's choice
+                assert row[plan.choices[cls][b]] <= row.get("fp32", float("inf"))
     # smoothing changes the norm weights of the int8 model only, never the shared checkpoint
     if "qkv" in plan.smoothed_classes():
         assert not torch.equal(model.layers[3].ln1_w, fp32.model.layers[3].ln1_w)

@@ -57,7 +57,8 @@ class LinearPlan:
     """Which path serves each linear shape class at each row bucket, and why.
 
     choices: class -> one path name per BUCKETS entry.
-    timings_ms: class -> per bucket, path -> measured ms per call (correct paths only).
+    timings_ms: class -> per bucket, path -> measured ms per call (correct paths only; an
+        empty dict where the bucket was not timed and takes the bucket below's choice).
     errors: class -> path -> relative error vs fp32 in one-row calls and in 8-row calls
         (``choice.relative_errors``).
     unavailable: path -> why it cannot run here.
@@ -109,10 +110,9 @@ class LinearPlan:
         for cls, rows in self.timings_ms.items():
             errs = self.errors.get(cls, {})
             for b, row in enumerate(rows):
-                if cls == "lm_head" and b == len(BUCKETS) - 1:  # choice.py copies bucket 64
-                    lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: not timed (one row per "
-                                 f"sampling sequence); as {BUCKETS[b - 1]} rows: "
-                                 f"{self.choices[cls][b]}")
+                if not row:  # e.g. the LM head at 512 rows: it gets one row per sampling seq
+                    lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: not timed; "
+                                 f"{self.choices[cls][b]} (as {BUCKETS[b - 1]} rows)")
                     continue
                 cells = " ".join(f"{'*' if name == self.choices[cls][b] else ''}{name} {ms:.3f}"
                                  for name, ms in row.items())
