@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from protocol import Delta, SamplingParams, encode
@@ -74,8 +76,9 @@ class Workload:
     def step(self, stats: RunStats | None) -> int:
         """One engine iteration (EngineCore.step) plus what the front does with its
         outputs; with stats, its sections are recorded. Returns the tokens it ran."""
-        timer = SectionTimer(self.runner.device) if stats is not None else None
-        self.runner.timer = timer
+        timer = self.runner.timer if stats is not None else None
+        if timer is not None:
+            timer.seconds = {}
         t0 = time.perf_counter()
         outputs = self.core.step()
         t3 = time.perf_counter()
@@ -86,7 +89,6 @@ class Workload:
             if out.finish_reason is not None:
                 del self.detoks[out.request_id]
         t4 = time.perf_counter()
-        self.runner.timer = None
         if stats is not None and timer is not None:
             sec = stats.sections
             times = self.core.last_step_times
@@ -97,6 +99,16 @@ class Workload:
             sec["detokenize+stream"].append(t4 - t3)
             stats.totals.append(t4 - t0)
         return self.core.last_num_batched_tokens
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Within the block the runner carries a SectionTimer (its model instrumented once
+        for the whole measurement, not per step); `step(stats)` reads it."""
+        self.runner.timer = SectionTimer(self.runner.device)
+        try:
+            yield
+        finally:
+            self.runner.timer = None
 
     def finish_all(self) -> None:
         for rid in list(self.sched.requests):
@@ -126,11 +138,12 @@ class DecodeRun:
 
     def measure(self, steps: int) -> RunStats:
         stats = RunStats(self.num_seqs)
-        for _ in range(steps):
-            scheduled = self.wl.step(stats)
-            if scheduled != self.num_seqs or self.wl.sched.num_preemptions:
-                raise RuntimeError(f"decode step ran {scheduled} of {self.num_seqs} sequences "
-                                   f"({self.wl.sched.num_preemptions} preemptions)")
+        with self.wl.timed():
+            for _ in range(steps):
+                scheduled = self.wl.step(stats)
+                if scheduled != self.num_seqs or self.wl.sched.num_preemptions:
+                    raise RuntimeError(f"decode step ran {scheduled} of {self.num_seqs} "
+                                       f"sequences ({self.wl.sched.num_preemptions} preemptions)")
         return stats
 
     def close(self) -> None:
@@ -149,10 +162,11 @@ class PrefillRun:
 
     def measure(self, steps: int) -> RunStats:
         stats = RunStats(self.context)
-        for _ in range(steps):
-            self.wl.add(self.context, 1)
-            if self.wl.step(stats) != self.context or self.wl.sched.has_unfinished():
-                raise RuntimeError("a prefill step did not run the whole prompt")
+        with self.wl.timed():
+            for _ in range(steps):
+                self.wl.add(self.context, 1)
+                if self.wl.step(stats) != self.context or self.wl.sched.has_unfinished():
+                    raise RuntimeError("a prefill step did not run the whole prompt")
         return stats
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from itertools import chain
 
 import torch
@@ -82,9 +83,8 @@ class ModelRunner:
             heads, kv_heads, head_dim, self.dtype, cc.block_size, self.decode_kernel,
             all_rows=self.batch_invariant))
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
-        # Benchmarks set a SectionTimer here to split execute() into build_batch,
-        # linear, attention, other and sample; None (the default) costs nothing.
-        self.timer: SectionTimer | None = None
+        self._timer: SectionTimer | None = None
+        self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
         self.tokenizer = self.loaded.tokenizer
         self.vocab = self.model.vocab_size
         self.quantization = mc.quantization
@@ -299,12 +299,25 @@ class ModelRunner:
             raise RuntimeError("the model runner was released (its engine is closed)")
         if not out.sequences:
             return RunnerOutput({})
-        tm = self.timer
-        if tm is None:
-            return self._forward_and_sample(out, None)
-        with tm.instrument(self.model):  # laps "linear", "attention", "other" inside
+        tm = self._timer
+        if tm is not None:
             tm.start()
-            return self._forward_and_sample(out, tm)
+        return self._forward_and_sample(out, tm)
+
+    @property
+    def timer(self) -> SectionTimer | None:
+        """Benchmarks set a SectionTimer to split each execute() into build_batch, linear,
+        attention, other and sample; while it is set the model's linears and attention
+        are wrapped to lap it (`SectionTimer.instrument`), once, not per step. None (the
+        default) restores the model and costs nothing."""
+        return self._timer
+
+    @timer.setter
+    def timer(self, timer: SectionTimer | None) -> None:
+        self._timer_scope.close()
+        self._timer = timer
+        if timer is not None:
+            self._timer_scope.enter_context(timer.instrument(self.model))
 
     def _forward_and_sample(self, out: SchedulerOutput, tm: SectionTimer | None) -> RunnerOutput:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
