@@ -76,10 +76,10 @@ class ModelRunner:
         cfg = self.loaded.hf_config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.decode_kernel = choose_decode_kernel(
-            decode_setting, resolve_backend(mc.attention_backend, self.device), self.device,
-            self.dtype, heads, kv_heads, head_dim)
-        self.ops = select_ops(mc.attention_backend, self.device, AttentionLayout(
+        backend = resolve_backend(mc.attention_backend, self.device)  # "torch" or "triton"
+        self.decode_kernel = choose_decode_kernel(decode_setting, backend, self.device,
+                                                  self.dtype, heads, kv_heads, head_dim)
+        self.ops = select_ops(backend, self.device, AttentionLayout(
             heads, kv_heads, head_dim, self.dtype, cc.block_size, self.decode_kernel,
             all_rows=self.batch_invariant))
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
