@@ -31,7 +31,7 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GQA_GROUP = 64
 
 __all__ = ["KernelBuildError", "LIBRARY", "build_problem", "decode_attention_cpu",
-           "kernel_available", "load_kernel", "supports"]
+           "kernel_available", "kernel_error", "load_kernel", "supports"]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -146,7 +146,12 @@ def decode_attention_cpu(
             k_cache.shape[0], n, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
             torch.get_num_threads())
     if rc != 0:
-        raise ValueError(_KERNEL_ERRORS.get(rc, f"decode attention kernel error {rc}"))
+        raise ValueError(kernel_error(rc))
+
+
+def kernel_error(rc: int) -> str:
+    """What the kernel's non-zero return code `rc` means."""
+    return _KERNEL_ERRORS.get(rc, f"decode attention kernel error {rc}")
 
 
 _KERNEL_ERRORS = {

@@ -100,6 +100,13 @@ class CpuAttentionPlan:
     all_decode_in_order: bool
     kernel_decodes: KernelDecodes | None = None
 
+    @property
+    def kernel_rows_only(self) -> bool:
+        """Every row of the step is in kernel_decodes, in order (rows 0..T-1): a step the
+        fused forward (``kernels.decode_forward_cpu``) can run whole."""
+        kd = self.kernel_decodes
+        return kd is not None and not self.prefills and kd.rows.shape[0] == self.num_tokens
+
 
 def plan_cpu_attention(
     query_lens: Sequence[int],

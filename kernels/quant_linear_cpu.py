@@ -39,8 +39,8 @@ VARIANTS: dict[str, CppKernel] = {
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
 _FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2}
 
-__all__ = ["KernelBuildError", "VARIANTS", "available_isas", "dequantize", "isa_problem",
-           "quant_linear"]
+__all__ = ["KernelBuildError", "VARIANTS", "available_isas", "dequantize", "entry_point",
+           "format_code", "isa_problem", "quant_linear"]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -77,6 +77,17 @@ def _library(isa: str) -> ctypes.CDLL:
     if isa not in _LIBRARIES:
         raise ValueError(f"isa must be one of {tuple(VARIANTS)}, got {isa!r}")
     return _LIBRARIES[isa].load()
+
+
+def entry_point(isa: str) -> int:
+    """Address of the `isa` build's ``conveyor_qlinear`` (the fused forward calls it by
+    pointer). Raises ValueError for an unknown isa, KernelBuildError when it is unavailable."""
+    return ctypes.cast(_library(isa).conveyor_qlinear, ctypes.c_void_p).value
+
+
+def format_code(fmt: str) -> int:
+    """The C kernel's code for a ``PackedWeight.fmt``. Raises KeyError for an unknown one."""
+    return _FORMAT_CODES[fmt]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-decode-kernel", default="auto", metavar="LIST",
                    help="comma-separated decode attention kernels among auto, cpp, sdpa "
                         "(e.g. cpp,sdpa to compare them side by side)")
+    p.add_argument("--cpu-fused-decode", default="auto", metavar="LIST",
+                   help="comma-separated settings among auto, off (e.g. auto,off: decode steps "
+                        "as one native call against one call per op)")
     p.add_argument("--threads", default=None, metavar="LIST",
                    help="comma-separated torch thread counts to compare, and `auto` for the "
                         "adaptive thread tuner (default: the CPUs, affinity and quota)")
@@ -92,7 +95,8 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | None, str, bool]],
+def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
+                                          list[tuple[str | None, str, bool, str]],
                                           list[int | str], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
@@ -110,7 +114,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str | No
     if any(b not in ("off", "on") for b in invariant) or len(set(invariant)) < len(invariant):
         raise ValueError(f"--batch-invariant values must be distinct among off, on, got "
                          f"{a.batch_invariant!r}")
-    models = [(q, k, b == "on") for q in quants for k in kernels for b in invariant]
+    fused = [f.strip() for f in a.cpu_fused_decode.split(",")]
+    if any(f not in ("auto", "on", "off") for f in fused) or len(set(fused)) < len(fused):
+        raise ValueError(f"--cpu-fused-decode values must be distinct among auto, on, off, "
+                         f"got {a.cpu_fused_decode!r}")
+    models = [(q, k, b == "on", f) for q in quants for k in kernels for b in invariant
+              for f in fused]
     threads: list[int | str] = [default_num_threads()]
     if a.threads:
         auto = [t.strip() for t in a.threads.split(",")].count("auto")
@@ -159,17 +168,20 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[tuple[str | None, str, bool], ModelRunner] = {}
-    for q, k, bi in models:
+    runners: dict[tuple[str | None, str, bool, str], ModelRunner] = {}
+    for q, k, bi, f in models:
         cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
-                                             batch_invariant=bi, adaptive_threads=False),
+                                             batch_invariant=bi, adaptive_threads=False,
+                                             cpu_fused_decode=f),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
-        runners[(q, k, bi)] = ModelRunner(cfg, loaded)
+        runners[(q, k, bi, f)] = ModelRunner(cfg, loaded)
 
-    def label(m: tuple[str | None, str, bool], t: int | str) -> str:
-        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto"; the kernel is the one "auto" resolved to
-        return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}/"
+    def label(m: tuple[str | None, str, bool, str], t: int | str) -> str:
+        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/fused/2t"; the kernel is the one
+        # "auto" resolved to, "fused" where decode steps ran as one native call
+        fused = "/fused" if runners[m].model.fused else ""
+        return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}{fused}/"
                 f"{t}{'t' if t != 'auto' else ''}")
 
     tuning: dict[str, dict[str, list]] = {}
@@ -178,7 +190,7 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
                                                    for sc in scenarios}
     with CpuHog(a.cpu_hog):  # the neighbours run for the whole measurement, then stop
         for sc in scenarios:
-            live: dict[tuple[str | None, str, bool], DecodeRun | PrefillRun] = {}
+            live: dict[tuple[str | None, str, bool, str], DecodeRun | PrefillRun] = {}
             # "auto": one tuner per model variant and scenario, kept across the rounds; it
             # also runs the untimed prefill and warm-up steps (its start-up probe)
             tuners = {m: ThreadTuner(default_num_threads()) for m in models}
@@ -214,6 +226,7 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
         "linear_kernels": {label(m, threads[0]): (runners[m].linear_plan.summary()
                                                   if runners[m].linear_plan else "fp32 F.linear")
                            for m in models},
+        "fused_decode": {label(m, threads[0]): runners[m].fused_decode for m in models},
         "results": results,
         "thread_tuning": tuning,  # "auto" variants: (time s, from, to, time ratio) decisions
     }

@@ -18,8 +18,8 @@ from service.worker.loader import LoadedModel
 from service.worker.model_runner import ModelRunner
 from service.worker.section_timer import SectionTimer
 
-SECTIONS = ("schedule", "build_batch", "linear", "attention", "other", "sample", "update",
-            "detokenize+stream")
+SECTIONS = ("schedule", "build_batch", "linear", "attention", "other", "fused", "sample",
+            "update", "detokenize+stream")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Workload:
             sec = stats.sections
             times = self.core.last_step_times
             sec["schedule"].append(times.schedule)
-            for name in ("build_batch", "linear", "attention", "other", "sample"):
+            for name in ("build_batch", "linear", "attention", "other", "fused", "sample"):
                 sec[name].append(timer.seconds.get(name, 0.0))
             sec["update"].append(times.update)
             sec["detokenize+stream"].append(t4 - t3)

@@ -59,6 +59,11 @@ class ModelConfig:
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
         or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    cpu_fused_decode: on the CPU, run a step whose every row the C++ decode attention
+        serves (decode-only steps; every step when batch_invariant) as one native call
+        (`kernels.decode_forward_cpu`) where every linear layer's chosen path at that row
+        count is one of our C++ kernels: "auto" (where it applies), "on" (start-up fails
+        where it cannot apply at all) or "off" (one torch or ctypes call per op).
     num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
         which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
         the cgroup CPU quota (`service.worker.cpu_threads.default_num_threads`).
@@ -96,6 +101,10 @@ class ModelConfig:
         "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
         "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
         choices=("auto", "cpp", "sdpa"))
+    cpu_fused_decode: str = option(
+        "auto", "CPU: run decode steps (every step with --batch-invariant) as one native "
+        "call where our C++ linear kernels serve every layer; auto = where it applies, on = "
+        "fail at start-up if it cannot, off = one call per op", choices=("auto", "on", "off"))
     num_threads: int | None = option(
         None, "CPU threads for the forward (torch and the C++ kernels); default: the CPUs "
         "this process may use, capped by its cgroup CPU quota", metavar="N")
@@ -124,6 +133,8 @@ class ModelConfig:
                ">= 1 tokens", self.max_model_len)
         _check(self.cpu_decode_kernel in ("auto", "cpp", "sdpa"), "cpu_decode_kernel",
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
+        _check(self.cpu_fused_decode in ("auto", "on", "off"), "cpu_fused_decode",
+               "one of auto, on, off", self.cpu_fused_decode)
         _check(self.num_threads is None or (isinstance(self.num_threads, int)
                                             and not isinstance(self.num_threads, bool)
                                             and self.num_threads >= 1),

@@ -9,8 +9,10 @@ folding SmoothQuant factors where the plan quantizes activations.
 
 Every op other than the linear layers goes through the `KernelOps` that
 `kernels.select_ops` picked (Triton on CUDA; on the CPU, torch with our C++ decode
-attention and fused float32 ops). Benchmarks time the forward's sections from outside
-(`service.worker.section_timer`).
+attention and fused float32 ops). On the CPU a step whose every row the C++ attention
+kernel serves (decode-only steps; every step in the batch-invariant mode) runs instead as
+one native call when `fused` has a forward for its row bucket (`service.worker.fused_forward`).
+Benchmarks time the forward's sections from outside (`service.worker.section_timer`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kernels import KernelOps
 from kernels.attention_metadata import AttentionMetadata
 from service.worker.loader import LoadedModel
 from service.worker.quantization import AmaxObserver, DenseLinear, Linear
+from service.worker.quantization.plan import bucket_index
 from service.worker.quantization.smoothing import fold_smoothing
 
 
@@ -63,6 +66,9 @@ class LlamaModel:
         self.scale = self.head_dim ** -0.5
         self.max_position = int(cfg.max_position_embeddings)
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
+        # The fused forward per linear row bucket (service.worker.fused_forward), for steps
+        # whose every row is a kernel row of the CPU attention plan; empty: never fused.
+        self.fused: dict[int, Callable[..., torch.Tensor]] = {}
 
         def get(name: str) -> torch.Tensor:
             return w[name].to(device=device, dtype=dtype).contiguous()
@@ -167,6 +173,7 @@ class LlamaModel:
             layer.ln1_w, layer.ln2_w = w["ln1_w"], w["ln2_w"]
         self.lm_head = make_linear("lm_head", self.lm_head.weight, self.lm_head.bias)
         self.quantization = mode
+        self.fused = {}  # built over the old linears: the runner builds it anew
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token over all layers."""
@@ -181,9 +188,15 @@ class LlamaModel:
         tensor per layer, written in place at meta.slot_mapping. logits_indices: [S] int64
         rows of the batch that sample. Returns logits [S, V] float32.
         """
+        T = input_ids.shape[0]
+        if self.fused and meta.plan.kernel_rows_only:
+            fused = self.fused.get(bucket_index(T))
+            if fused is not None:  # the whole forward in one native call
+                kd = meta.plan.kernel_decodes
+                return fused(input_ids, positions, meta.slot_mapping, kd.block_tables,
+                             kd.seq_lens, logits_indices)
         ops, eps = self.ops, self.eps
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        T = input_ids.shape[0]
         cos, sin = ops.rotary_tables(self.cos, self.sin, positions)    # gathered: [T, ..D/2]
         h = F.embedding(input_ids, self.embed)                         # [T, H]
         residual = h

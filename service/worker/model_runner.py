@@ -21,6 +21,7 @@ from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
+from service.worker.fused_forward import build_fused_forward
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
 from service.worker.quantization.apply import apply_linear_plan
@@ -104,6 +105,11 @@ class ModelRunner:
         if mc.quantization is not None or mc.batch_invariant:
             self.linear_plan = apply_linear_plan(self.model, mc.quantization or "none",
                                                  mc.batch_invariant, self.calibrate)
+        # Decode steps (every step when batch-invariant) as one native call where the
+        # linear plan put C++ kernels on every layer.
+        self.model.fused, self.fused_decode = build_fused_forward(
+            self.model, self.kv_caches, mc.cpu_fused_decode if self.device.type == "cpu"
+            else "off", self.decode_kernel)
         # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
@@ -264,6 +270,7 @@ class ModelRunner:
                 "quantization": self.quantization or "none",
                 "batch_invariant": str(self.batch_invariant).lower(),
                 "decode_kernel": self.decode_kernel,
+                "fused_decode": self.fused_decode,
                 # the measured choice, one path per row bucket (1, 16, 64, 512) per class
                 "linear_kernels": (self.linear_plan.summary() if self.linear_plan is not None
                                    else "fp32")}

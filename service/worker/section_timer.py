@@ -2,7 +2,8 @@
 
 `SectionTimer.instrument(model)` wraps, for the duration of a block, each linear layer and
 the attention op of a `LlamaModel` so that they lap the timer: time up to a linear call is
-"other", the call itself "linear"; the attention op (K/V store included) is "attention".
+"other", the call itself "linear"; the attention op (K/V store included) is "attention";
+a fused forward (one native call for the whole model) is "fused".
 The model's forward has no timing code; the runner laps "build_batch" and "sample".
 """
 
@@ -58,10 +59,12 @@ class SectionTimer:
 
     @contextmanager
     def instrument(self, model: LlamaModel) -> Iterator[None]:
-        """Within the block, `model`'s linear layers (LM head included) lap "linear" and its
-        attention op "attention", each after lapping "other"; restored on exit."""
+        """Within the block, `model`'s linear layers (LM head included) lap "linear", its
+        attention op "attention" and its fused forwards "fused", each after lapping "other";
+        restored on exit."""
         layers = [{n: getattr(layer, n) for n in LINEARS} for layer in model.layers]
-        ops, lm_head = model.ops, model.lm_head
+        ops, lm_head, fused = model.ops, model.lm_head, model.fused
+        model.fused = {b: self._lapped(f, "fused") for b, f in fused.items()}
         for layer, saved in zip(model.layers, layers):
             for n, lin in saved.items():
                 setattr(layer, n, self._lapped(lin, "linear"))
@@ -73,4 +76,4 @@ class SectionTimer:
             for layer, saved in zip(model.layers, layers):
                 for n, lin in saved.items():
                     setattr(layer, n, lin)
-            model.lm_head, model.ops = lm_head, ops
+            model.lm_head, model.ops, model.fused = lm_head, ops, fused

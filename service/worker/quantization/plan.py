@@ -27,6 +27,12 @@ def bucket_index(rows: int) -> int:
     return len(_EDGES)
 
 
+def bucket_rows(index: int) -> str:
+    """The row counts bucket `index` serves, e.g. "1-3", "4-31", "181+"."""
+    lo = ((1,) + _EDGES)[index]
+    return f"{lo}-{_EDGES[index] - 1}" if index < len(_EDGES) else f"{lo}+"
+
+
 class DispatchLinear:
     """A Linear whose call of M rows runs the path chosen for M's bucket.
 

@@ -1,0 +1,249 @@
+// A whole Llama-family forward on the CPU, fp32 activations, in one native call: the
+// fused decode path (kernels/decode_forward_cpu.py).
+//
+// A one-sequence decode step is mostly per-op dispatch from Python: about 15 torch or
+// ctypes calls a layer, tens of microseconds each, for almost no arithmetic in everything
+// but the linear layers. Here every layer runs without returning to Python:
+//
+//   layer 0:  h = embed[ids];  residual = h;  x = rmsnorm(h, ln1)
+//   layer i:  residual += h;   x = rmsnorm(residual, ln1)              (i > 0)
+//             qkv = x W_qkv^T;  rotate q, k (rotate-half, cos/sin at each row's position)
+//             K/V of each row stored at its slot;  a = attention(q)     (paged, GQA)
+//             h = a W_o^T;  residual += h;  x = rmsnorm(residual, ln2)
+//             h = (silu(x W_gate^T) * x W_up^T) W_down^T
+//   end:      y = rmsnorm(h + residual, norm) at the sampling rows;  logits = y W_lm^T
+//
+// The linear layers and the attention are not compiled here: the caller passes function
+// pointers to the builds it chose (conveyor_qlinear of kernels/csrc/quant_linear_cpu.cpp,
+// built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 of
+// kernels/csrc/decode_attention_cpu.cpp), so one step runs exactly the kernels the
+// unfused path would run for those layers, and a new weight format needs nothing here.
+//
+// Every row is computed on its own (the small ops loop over rows, the linear kernels are
+// row-invariant, the attention is per row): a row's result never depends on the other rows
+// of the call. Attention rows are described by the caller: a decode row attends to its
+// sequence's first seq_len tokens; in the batch-invariant mode a prefill row is a "decode"
+// over its own causal prefix, so a step of prefill chunks runs here too (all K/V of the
+// layer are stored before any row attends).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+typedef int (*qlinear_fn)(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                          int64_t N, int64_t Np, const void* w, const void* scale,
+                          const void* minv, int64_t group, const float* bias, float* y,
+                          int64_t y_stride, int num_threads);
+typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const float* k_cache,
+                            const float* v_cache, const int64_t* tables, int64_t table_stride,
+                            int64_t table_width, const int64_t* seq_lens, const int64_t* rows,
+                            float* out, int64_t num_rows, int64_t num_blocks, int n, int Hq,
+                            int Hkv, int head_dim, int block_size, float scale,
+                            int num_threads);
+
+// One linear layer y [M, N] = x [M, K] W^T (+ bias): conveyor_qlinear's arguments.
+struct ConveyorLinear {
+  qlinear_fn fn;
+  int64_t fmt, in_features, out_features, padded_out, group;
+  const void* w;
+  const void* scale;
+  const void* minv;
+  const float* bias;
+};
+
+struct ConveyorLayer {
+  ConveyorLinear qkv, o, gate_up, down;
+  const float* ln1;  // [H]
+  const float* ln2;  // [H]
+  float* kv;         // [2, num_blocks, block_size, Hkv, D]
+};
+
+struct ConveyorModel {
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+  int64_t max_position, num_blocks, block_size;
+  float eps, scale;
+  const ConveyorLayer* layers;  // [num_layers]
+  const float* embed;           // [vocab, hidden]
+  const float* norm;            // [hidden]
+  const float* cos;             // [max_position, D / 2]
+  const float* sin;             // [max_position, D / 2]
+  ConveyorLinear lm_head;
+  attention_fn attention;
+};
+
+// One step of M rows. tables [M, table_stride] (table_width valid columns), seq_lens [M]:
+// the context each row attends to (its own token included). logits [S, vocab] for the S
+// rows in logits_rows.
+struct ConveyorStep {
+  int64_t rows;
+  const int64_t* ids;        // [M]
+  const int64_t* positions;  // [M]
+  const int64_t* slots;      // [M]
+  const int64_t* tables;
+  int64_t table_stride, table_width;
+  const int64_t* seq_lens;     // [M]
+  const int64_t* logits_rows;  // [S]
+  int64_t num_logits;
+  float* logits;  // [S, vocab]
+  int num_threads;
+};
+}
+
+namespace {
+
+// y = x / rms(x) * w over one row of n floats (mean of squares in float, as torch.rms_norm).
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+// Rotate-half rotary embedding in place on `heads` heads of D: (x1 c - x2 s, x2 c + x1 s).
+inline void rotate_row(float* v, int64_t heads, int64_t D, const float* c, const float* s) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x1 = v + h * D;
+    float* x2 = x1 + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * c[i] - b * s[i];
+      x2[i] = b * c[i] + a * s[i];
+    }
+  }
+}
+
+// out [I] = silu(gu[:I]) * gu[I:]
+inline void silu_mul_row(const float* gu, int64_t I, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gu[i];
+    out[i] = g / (1.f + std::exp(-g)) * gu[I + i];
+  }
+}
+
+inline int linear(const ConveyorLinear& l, const float* x, int64_t x_stride, int64_t M, float* y,
+                  int threads) {
+  return l.fn(static_cast<int>(l.fmt), x, x_stride, M, l.in_features, l.out_features,
+              l.padded_out, l.w, l.scale, l.minv, l.group, l.bias, y, l.out_features, threads);
+}
+
+// Runs body(m) for every row, over the threads when there are enough rows to pay for it.
+template <class F>
+inline void for_rows(int64_t M, int threads, F&& body) {
+  if (M >= 8 && threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; ++m) body(m);
+  } else {
+    for (int64_t m = 0; m < M; ++m) body(m);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success; nothing is written to the cache on 1-3:
+//   1  a non-positive size, an odd head dim, or Hq not a multiple of Hkv
+//   2  a token id outside [0, vocab) or a position outside [0, max_position)
+//   3  a slot outside the cache, or a logits row outside [0, M)
+//   10 + k: the attention kernel returned k (1..4: see decode_attention_cpu.cpp)
+//   20 + k: a linear kernel returned k
+int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step) {
+  const ConveyorModel& md = *model;
+  const ConveyorStep& st = *step;
+  const int64_t M = st.rows, H = md.hidden, Hq = md.num_heads, Hkv = md.num_kv_heads;
+  const int64_t D = md.head_dim, I = md.intermediate, half = D / 2;
+  const int threads = st.num_threads;
+  if (M <= 0 || H <= 0 || Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || D % 2 != 0 || I <= 0 ||
+      threads <= 0 || md.num_layers <= 0 || md.block_size <= 0 || st.num_logits < 0)
+    return 1;
+  for (int64_t m = 0; m < M; ++m) {
+    if (st.ids[m] < 0 || st.ids[m] >= md.vocab) return 2;
+    if (st.positions[m] < 0 || st.positions[m] >= md.max_position) return 2;
+    if (st.slots[m] < 0 || st.slots[m] >= md.num_blocks * md.block_size) return 3;
+  }
+  for (int64_t i = 0; i < st.num_logits; ++i)
+    if (st.logits_rows[i] < 0 || st.logits_rows[i] >= M) return 3;
+
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D, kv_width = Hkv * D;
+  // Scratch, reused across calls of this thread (the step loop's worker thread).
+  thread_local std::vector<float> buf;
+  thread_local std::vector<int64_t> rows;
+  const size_t need = static_cast<size_t>(M) * (3 * H + qkv_n + Hq * D + 3 * I);
+  if (buf.size() < need) buf.resize(need);
+  float* h = buf.data();            // [M, H] a layer's output
+  float* residual = h + M * H;      // [M, H]
+  float* x = residual + M * H;      // [M, H] normed input of a linear
+  float* qkv = x + M * H;           // [M, qkv_n]
+  float* attn = qkv + M * qkv_n;    // [M, Hq, D]
+  float* gu = attn + M * Hq * D;    // [M, 2 I]
+  float* act = gu + M * 2 * I;      // [M, I]
+  rows.resize(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) rows[m] = m;
+  const int64_t block_elems = md.num_blocks * md.block_size * kv_width;
+
+  for_rows(M, threads, [&](int64_t m) {
+    std::memcpy(residual + m * H, md.embed + st.ids[m] * H, sizeof(float) * H);
+    rms_norm_row(residual + m * H, md.layers[0].ln1, md.eps, H, x + m * H);
+  });
+  int rc = 0;
+  for (int64_t li = 0; li < md.num_layers; ++li) {
+    const ConveyorLayer& L = md.layers[li];
+    if (li > 0)
+      for_rows(M, threads, [&](int64_t m) {
+        float* r = residual + m * H;
+        const float* hm = h + m * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) r[i] += hm[i];
+        rms_norm_row(r, L.ln1, md.eps, H, x + m * H);
+      });
+    if ((rc = linear(L.qkv, x, H, M, qkv, threads)) != 0) return 20 + rc;
+    float* k_cache = L.kv;
+    float* v_cache = L.kv + block_elems;
+    for_rows(M, threads, [&](int64_t m) {
+      float* row = qkv + m * qkv_n;
+      const float* c = md.cos + st.positions[m] * half;
+      const float* s = md.sin + st.positions[m] * half;
+      rotate_row(row, Hq + Hkv, D, c, s);  // q heads then k heads, side by side
+      std::memcpy(k_cache + st.slots[m] * kv_width, row + Hq * D, sizeof(float) * kv_width);
+      std::memcpy(v_cache + st.slots[m] * kv_width, row + (Hq + Hkv) * D,
+                  sizeof(float) * kv_width);
+    });
+    rc = md.attention(qkv, qkv_n, k_cache, v_cache, st.tables, st.table_stride, st.table_width,
+                      st.seq_lens, rows.data(), attn, M, md.num_blocks, static_cast<int>(M),
+                      static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D),
+                      static_cast<int>(md.block_size), md.scale, threads);
+    if (rc != 0) return 10 + rc;
+    if ((rc = linear(L.o, attn, Hq * D, M, h, threads)) != 0) return 20 + rc;
+    for_rows(M, threads, [&](int64_t m) {
+      float* r = residual + m * H;
+      const float* hm = h + m * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) r[i] += hm[i];
+      rms_norm_row(r, L.ln2, md.eps, H, x + m * H);
+    });
+    if ((rc = linear(L.gate_up, x, H, M, gu, threads)) != 0) return 20 + rc;
+    for_rows(M, threads, [&](int64_t m) { silu_mul_row(gu + m * 2 * I, I, act + m * I); });
+    if ((rc = linear(L.down, act, I, M, h, threads)) != 0) return 20 + rc;
+  }
+  // The sampling rows: final norm of h + residual, gathered into x, then the LM head.
+  const int64_t S = st.num_logits;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t m = st.logits_rows[i];
+    float* r = residual + m * H;
+    const float* hm = h + m * H;
+#pragma omp simd
+    for (int64_t j = 0; j < H; ++j) r[j] += hm[j];
+    rms_norm_row(r, md.norm, md.eps, H, x + i * H);
+  }
+  if (S > 0 && (rc = linear(md.lm_head, x, H, S, st.logits, threads)) != 0) return 20 + rc;
+  return 0;
+}
+
+}  // extern "C"
