@@ -30,6 +30,7 @@ from protocol import (
     ChatMessage,
     DuplicateId,
     InternalError,
+    InvalidRequest,
     Overloaded,
     SamplingParams,
     ShuttingDown,
@@ -106,11 +107,19 @@ class Engine(Drainable):
             self.config.model.generation_config, self.config.model.model, runner.model_name)
         log.info("sampling_defaults", source=self.sampling_defaults.source,
                  **self.sampling_defaults.as_dict())
+        prompts = PromptTokenizer(runner.tokenizer, runner.vocab_size)
         self._admission = Preprocessor(
-            PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
+            prompts, runner.max_model_len,
             core.scheduler.pool.num_blocks, self.config.cache.block_size,
             self.config.scheduler.max_waiting_requests, self._retry_after_ms,
             self.sampling_defaults)
+        # Render the chat template once now: its first use compiles it (tens of ms that
+        # would otherwise land on the first request's TTFT).
+        try:
+            await loop.run_in_executor(self._executor, lambda: prompts(
+                messages=[ChatMessage("user", "Hello")]))
+        except InvalidRequest as e:  # a template that fails will say so to each request
+            log.warning("chat_template_warmup_failed", error=str(e))
         self._loop = StepLoop(core, self._executor, self.metrics, self._faults)
         self._task = asyncio.create_task(self._loop.run(), name="conveyor-step-loop")
         self.ready = self.accepting = True
