@@ -178,11 +178,11 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
         runners[(q, k, bi, f)] = ModelRunner(cfg, loaded)
 
     def label(m: tuple[str | None, str, bool, str], t: int | str) -> str:
-        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/fused/2t"; the kernel is the one
-        # "auto" resolved to, "fused" where decode steps ran as one native call
-        fused = "/fused" if runners[m].model.fused else ""
-        return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}{fused}/"
-                f"{t}{'t' if t != 'auto' else ''}")
+        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/unfused/2t"; the kernel is the
+        # one "auto" resolved to; "unfused": --cpu-fused-decode off (where the default fused
+        # decode steps is in the report's "fused_decode")
+        return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}"
+                f"{'/unfused' if m[3] == 'off' else ''}/{t}{'t' if t != 'auto' else ''}")
 
     tuning: dict[str, dict[str, list]] = {}
 
