@@ -23,6 +23,7 @@ from service.worker.loader import LoadedModel, load_model
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
+from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.plan import LinearPlan
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
@@ -87,7 +88,9 @@ class ModelRunner:
         self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
         self.tokenizer = self.loaded.tokenizer
         self.vocab = self.model.vocab_size
-        self.quantization = mc.quantization
+        # auto serves the checkpoint's own weights on the CPU in fp32; elsewhere it is dense
+        self.quantization = mc.quantization if mc.quantization != "auto" or (
+            self.device.type == "cpu" and self.dtype == torch.float32) else None
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         self.block_size = cc.block_size
         model_len = self.model.max_position
@@ -101,9 +104,13 @@ class ModelRunner:
         self.kv_bytes_per_block = per_block
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
-        if mc.quantization is not None or mc.batch_invariant:
-            self.linear_plan = apply_linear_plan(self.model, mc.quantization or "none",
-                                                 mc.batch_invariant, self.calibrate)
+        if self.quantization is not None or mc.batch_invariant:
+            # a caller's LoadedModel may serve more runners: keep its blocks on it
+            gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
+                if self.quantization == "auto" else None
+            self.linear_plan = apply_linear_plan(self.model, self.quantization or "none",
+                                                 mc.batch_invariant, self.calibrate, gguf)
+            del gguf
         # CPU swap space, shaped like the cache (pinned when the cache is on a GPU)
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
