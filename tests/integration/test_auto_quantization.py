@@ -68,6 +68,8 @@ def test_auto_serves_the_files_formats_and_the_oracles_answers(runners, tokenize
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     # the same weights: summation order only (bf16, if chosen here, stays within its bound)
     assert float(cosine.min()) > 0.999 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95
+    if not any(n == "bf16" for names in plan.choices.values() for n in names):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)  # summation order only
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     same = sum(x == y for x, y in zip(greedy(fp32, prompts, 8), greedy(auto, prompts, 8)))
     assert same >= len(prompts) - 1
