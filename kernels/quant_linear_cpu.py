@@ -42,6 +42,7 @@ VARIANTS: dict[str, CppKernel] = {
 FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4}
 """``conveyor_qlinear``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass their
 fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const float*``."""
+_FORMAT_CODES = FORMAT_CODES  # the name callers knew before q4_1 / q8_0
 
 __all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize", "isa_problem",
            "quant_linear"]
