@@ -1,6 +1,6 @@
-"""Linear layers of the model: auto (the default: the checkpoint's own weights), dense fp32, int8 or
-int4 on the CPU, and the
-batch-invariant variants; which kernel serves each layer is measured per machine.
+"""Linear layers of the model: auto (the default: the checkpoint's own weights), dense fp32,
+int8 or int4 on the CPU, and the batch-invariant variants; which kernel serves each layer is
+measured per machine.
 
     linear.py       the Linear interface and DenseLinear (F.linear)
     torch_int8.py   int8 through torch: fbgemm's dynamic linear, torch._int_mm per token
