@@ -1,4 +1,5 @@
-"""Linear layers with fp32, int8 or int4 weights on the CPU: our C++ kernels.
+"""Linear layers with fp32, int8 or int4 weights (scales in fp32, or fp16 as in GGUF's Q4_1 /
+Q8_0 blocks) on the CPU: our C++ kernels.
 
 At one to a few rows a decode step's linear layers stream every weight from memory, so
 weights that are 4 or 8 times smaller and dequantized on the fly in registers (llama.cpp's
@@ -7,7 +8,7 @@ approach) are the classic win; at hundreds of rows the product is compute-bound 
 measured, never assumed (``service.worker.quantization.choice``).
 
 Source: ``kernels/csrc/quant_linear_cpu.cpp``, built by ``kernels.cpu_build`` in two
-variants with explicit flags: ``avx512`` (AVX-512 F/BW/VL/DQ) and ``avx2`` (AVX2 + FMA); a
+variants with explicit flags: ``avx512`` (AVX-512 F/BW/VL/DQ) and ``avx2`` (AVX2 + FMA + F16C); a
 variant is offered where the CPU runs it, so an AVX-512 CPU can test and time both. Both
 compute every output element with the same sequence of fp32 roundings (fma over k in
 order), independent of the row count, the tiling and the threads: their outputs are
@@ -33,14 +34,17 @@ VARIANTS: dict[str, CppKernel] = {
                         _BASE_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                                        "-mavx2", "-mfma"),
                         frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})),
-    "avx2": CppKernel("quant_linear_cpu-avx2", SOURCE, _BASE_FLAGS + ("-mavx2", "-mfma"),
-                      frozenset({"avx2", "fma"})),
+    "avx2": CppKernel("quant_linear_cpu-avx2", SOURCE,
+                      _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c"),
+                      frozenset({"avx2", "fma", "f16c"})),
 }
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
-_FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2}
+FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4}
+"""``conveyor_qlinear``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass their
+fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const float*``."""
 
-__all__ = ["KernelBuildError", "VARIANTS", "available_isas", "dequantize", "entry_point",
-           "format_code", "isa_problem", "quant_linear"]
+__all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize",
+           "entry_point", "format_code", "isa_problem", "quant_linear"]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -87,7 +91,7 @@ def entry_point(isa: str) -> int:
 
 def format_code(fmt: str) -> int:
     """The C kernel's code for a ``PackedWeight.fmt``. Raises KeyError for an unknown one."""
-    return _FORMAT_CODES[fmt]
+    return FORMAT_CODES[fmt]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -130,7 +134,7 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
     if m == 0:
         return out
     fn = _library(isa).conveyor_qlinear
-    rc = fn(_FORMAT_CODES[packed.fmt], x.data_ptr(), max(x.stride(0), k), m, k, n,
+    rc = fn(FORMAT_CODES[packed.fmt], x.data_ptr(), max(x.stride(0), k), m, k, n,
             packed.padded_out, packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
             packed.group, _ptr(packed.bias), out.data_ptr(), max(out.stride(0), n),
             torch.get_num_threads())
@@ -147,7 +151,7 @@ def dequantize(packed: PackedWeight, isa: str) -> torch.Tensor:
     Raises ValueError for an unknown isa, KernelBuildError when its build is unavailable."""
     out = torch.empty(packed.out_features, packed.in_features, dtype=torch.float32)
     rc = _library(isa).conveyor_qdequant(
-        _FORMAT_CODES[packed.fmt], packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
+        FORMAT_CODES[packed.fmt], packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
         packed.group, packed.in_features, packed.out_features, packed.padded_out,
         out.data_ptr(), torch.get_num_threads())
     if rc != 0:

@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Three formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Five formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -9,7 +9,15 @@ Three formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 - ``int4``: asymmetric per group of ``group`` input channels (GGUF's Q4_1 layout of a
   block, Gerganov et al., ggml): ``W[n, k] ~= d[n, g] * q[n, k] + min[n, g]``, q in
   [0, 15], g = k // group; round-to-nearest over the group's range, then (d, min) refined
-  by least squares (``quantize_int4``).
+  by least squares (``quantize_int4``);
+- ``q4_1``: int4's form with d and min in fp16, GGUF's Q4_1 block at group 32 (5.0 bits a
+  weight; Q4_0, ``d (q - 8)``, is this with min = -8 d, exact in fp16);
+- ``q8_0``: ``W[n, k] = d[n, g] * q[n, k]``, q int8 in [-127, 127], d fp16 per group of
+  ``group`` input channels: GGUF's Q8_0 block at group 32 (8.5 bits a weight).
+
+q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
+``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
+nearest (``pack_q4_1``, ``pack_q8_0``: tests and benchmarks).
 
 Layout (see ``kernels/csrc/quant_linear_cpu.cpp``): output channels padded to Np, a
 multiple of 64, in blocks of 64 channels stored k-major: the kernel loads 16 channels of one
@@ -22,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("f32", "int8", "int4")
+FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0")
+HALF_SCALE_FORMATS = ("q4_1", "q8_0")
+"""Formats whose scale (and min) tensors are float16."""
 PAD = 64
 """Output channels are padded to a multiple of this, and stored in blocks of this many."""
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -34,8 +44,11 @@ class PackedWeight:
 
     data: f32 [Np/64, K, 64] float32; int8 [Np/64, K, 64] int8; int4 [Np/64, ceil(K/2), 64]
         uint8 (low nibble k = 2j, high nibble k = 2j + 1).
-    scale: int8 [Np] float32; int4 d [Np/64, ceil(K/group), 64] float32; f32 None.
-    minv: int4 [Np/64, ceil(K/group), 64] float32; else None.
+    scale: int8 [Np] float32; int4 d [Np/64, ceil(K/group), 64] float32; q4_1, q8_0 d
+        [Np/64, ceil(K/group), 64] float16; f32 None.
+    minv: int4 [Np/64, ceil(K/group), 64] float32; q4_1 the same in float16; else None.
+    group: input channels per scale (int4, q4_1, q8_0); 0 otherwise.
+    (q4_1 data is laid out as int4's, q8_0 data as int8's.)
     bias: [Np] float32 (zeros past N) or None.
     """
 
@@ -174,17 +187,101 @@ def pack_int4(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     _check(weight, bias)
     q, d, minv = quantize_int4(weight, group)
     n, k = q.shape
-    if k % 2:
-        q = torch.nn.functional.pad(q, (0, 1))
-    nibbles = q[:, 0::2] | (q[:, 1::2] << 4)                          # [N, ceil(K/2)]
-    return PackedWeight("int4", n, k, _panels(nibbles, _np(n)), _panels(d, _np(n)),
+    return PackedWeight("int4", n, k, _panels(_nibbles(q), _np(n)), _panels(d, _np(n)),
                         _panels(minv, _np(n)), _padded_bias(bias, _np(n)), group)
+
+
+def _half_scales(d: torch.Tensor, what: str) -> torch.Tensor:
+    d16 = d.to(torch.float16)
+    if not bool(torch.isfinite(d16).all()):
+        raise ValueError(f"{what} out of the fp16 range")
+    return d16
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 in [0, 15] -> [N, ceil(K/2)]: low nibble k = 2j, high nibble k = 2j + 1."""
+    if q.shape[1] % 2:
+        q = torch.nn.functional.pad(q, (0, 1))
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _check_blocks(q: torch.Tensor, d: torch.Tensor, group: int, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> None:
+    if q.dim() != 2 or q.dtype != dtype or q.shape[0] < 1 or q.shape[1] < 1:
+        raise ValueError(f"q must be a 2-D {dtype} [N, K] tensor, got {q.dtype} shape "
+                         f"{tuple(q.shape)}")
+    if group < 1 or d.dtype != torch.float16 or d.shape != (q.shape[0], -(-q.shape[1] // group)):
+        raise ValueError(f"d must be float16 [N, ceil(K / group)] = [{q.shape[0]}, "
+                         f"{-(-q.shape[1] // max(group, 1))}], got {d.dtype} shape "
+                         f"{tuple(d.shape)} (group {group})")
+    if bias is not None and (bias.shape != (q.shape[0],) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be float [out] = [{q.shape[0]}], got {bias.dtype} "
+                         f"shape {tuple(bias.shape)}")
+
+
+def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, group: int = 32) -> PackedWeight:
+    """Pack 4-bit values with their fp16 scales and mins as they are (a GGUF Q4_1 tensor's
+    blocks; a Q4_0 one with m = -8 d): ``W[n, k] = d[n, g] * q[n, k] + m[n, g]``.
+
+    q: [N, K] uint8 in [0, 15]; d, m: [N, ceil(K / group)] float16; group even.
+    Raises ValueError for other shapes or dtypes, an odd group or q above 15."""
+    _check_blocks(q, d, group, bias, torch.uint8)
+    if m.shape != d.shape or m.dtype != torch.float16 or group % 2:
+        raise ValueError(f"m must be float16 like d {tuple(d.shape)} and the group even, got "
+                         f"{m.dtype} {tuple(m.shape)}, group {group}")
+    if int(q.max()) > 15:
+        raise ValueError("q4_1 values must be in [0, 15]")
+    n, k = q.shape
+    return PackedWeight("q4_1", n, k, _panels(_nibbles(q), _np(n)), _panels(d, _np(n)),
+                        _panels(m, _np(n)), _padded_bias(bias, _np(n)), group)
+
+
+def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     group: int = 32) -> PackedWeight:
+    """Pack int8 values with their fp16 scales as they are (a GGUF Q8_0 tensor's blocks):
+    ``W[n, k] = d[n, g] * q[n, k]``. q: [N, K] int8; d: [N, ceil(K / group)] float16.
+    Raises ValueError for other shapes or dtypes."""
+    _check_blocks(q, d, group, bias, torch.int8)
+    n, k = q.shape
+    return PackedWeight("q8_0", n, k, _panels(q, _np(n)), _panels(d, _np(n)), None,
+                        _padded_bias(bias, _np(n)), group)
+
+
+def pack_q4_1(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              group: int = 32) -> PackedWeight:
+    """fp32 -> q4_1 (``quantize_int4``'s d and min rounded to fp16, q re-rounded to them).
+    Raises ValueError as pack_int4, or for scales out of the fp16 range."""
+    w = _check(weight, bias)
+    _, d, m = quantize_int4(w, group)
+    d16, m16 = _half_scales(d, "int4 scales"), _half_scales(m, "int4 mins")
+    d16 = torch.where(d16 == 0, torch.ones_like(d16), d16)  # a scale below fp16's range
+    n, k = w.shape
+    g_of_k = torch.arange(k) // group
+    q = torch.round((w - m16.float()[:, g_of_k]) / d16.float()[:, g_of_k]).clamp_(0, 15)
+    return pack_q4_1_blocks(q.to(torch.uint8), d16, m16, bias, group=group)
+
+
+def pack_q8_0(weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+              group: int = 32) -> PackedWeight:
+    """fp32 -> q8_0: d = max |w| / 127 per group (fp16), q = round(w / d).
+    Raises ValueError as pack_f32, or for scales out of the fp16 range."""
+    w = _check(weight, bias)
+    n, k = w.shape
+    groups = -(-k // group)
+    amax = torch.nn.functional.pad(w.abs(), (0, groups * group - k)).view(n, groups, group).amax(-1)
+    d16 = _half_scales(amax / 127.0, "q8_0 scales")
+    d16 = torch.where(d16 == 0, torch.ones_like(d16), d16)
+    g_of_k = torch.arange(k) // group
+    q = torch.round(w / d16.float()[:, g_of_k]).clamp_(-127, 127).to(torch.int8)
+    return pack_q8_0_blocks(q, d16, bias, group=group)
 
 
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """[N, K] float32: the weight the kernel multiplies by (the reference dequantization).
 
-    int8: q * scale (one rounding); int4: d * q + min, rounded once (as the kernel's fma).
+    int8: q * scale (one rounding); int4, q4_1: d * q + min, rounded once (as the kernel's
+    fma); q8_0: d * q (exact).
     """
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
@@ -193,10 +290,13 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     if packed.fmt == "int8":
         assert packed.scale is not None
         return rows.float() * packed.scale[:n, None]
-    assert packed.scale is not None and packed.minv is not None
-    q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k].double()
+    assert packed.scale is not None
     g_of_k = torch.arange(k) // packed.group
     d = packed.scale.movedim(-1, 1).reshape(np_, -1)[:n, g_of_k].double()
+    if packed.fmt == "q8_0":
+        return (rows.double() * d).float()
+    assert packed.minv is not None
+    q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k].double()
     m = packed.minv.movedim(-1, 1).reshape(np_, -1)[:n, g_of_k].double()
     return (q * d + m).float()
 

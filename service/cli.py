@@ -71,7 +71,8 @@ async def _serve(a: argparse.Namespace) -> None:
         if stop.is_set():  # signalled while loading
             return
         server = await ConveyorServer(engine, net).start()
-        mode = f" ({cfg.model.quantization})" if cfg.model.quantization else ""
+        mode = f" ({cfg.model.quantization})" if cfg.model.quantization not in (None, "auto") \
+            else ""
         print(f"conveyor: serving {engine.model_name}{mode} at {server.url}", flush=True)
         print(f"conveyor: OpenAI Responses WebSocket mode at "
               f"{server.url.rsplit('/v1/', 1)[0]}/v1/responses (openai SDK: base_url="

@@ -36,7 +36,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
                  attention_backend: str = "auto", dtype: str = "float32",
-                 cpu_decode_kernel: str = "auto", quantization: str | None = None,
+                 cpu_decode_kernel: str = "auto", quantization: str | None = "auto",
                  batch_invariant: bool = False, num_kv_blocks: int | None = 1024,
                  max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,

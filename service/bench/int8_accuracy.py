@@ -36,7 +36,8 @@ from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 def make_runner(loaded: LoadedModel, quantization: str | None,
                 num_kv_blocks: int = 1024, batch_invariant: bool = False) -> ModelRunner:
-    """A CPU runner over `loaded` with dense (None), "int8" or "int4" linear layers."""
+    """A CPU runner over `loaded` with dense (None: the fp32 oracle), "int8", "int4" or
+    "auto" linear layers."""
     cfg = EngineConfig(model=ModelConfig(quantization=quantization,
                                          batch_invariant=batch_invariant),
                        cache=CacheConfig(num_kv_blocks=num_kv_blocks, swap_space=0))
@@ -150,7 +151,7 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.bench.int8_accuracy",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="int8", choices=["int8", "int4"],
+    p.add_argument("--mode", default="int8", choices=["int8", "int4", "auto"],
                    help="the --quantization to compare with fp32")
     p.add_argument("--prompts", type=int, default=20, metavar="N",
                    help="chat prompts whose greedy continuations are compared (default 20)")

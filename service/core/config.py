@@ -51,10 +51,14 @@ class ModelConfig:
     device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
     attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
-    quantization: None (dense weights, the default and the correctness oracle), "int8" (int8
-        weights; each layer and row count served by the fastest correct of our C++ kernels,
-        fbgemm's dynamic int8, torch._int_mm and fp32, measured on the machine) or "int4"
-        (4-bit group-wise weights, our C++ kernels). CPU, dtype float32.
+    quantization: "auto" (the default: the checkpoint's own weights, never re-quantized: a
+        GGUF file's Q4_0 / Q4_1 / Q8_0 layers in their own blocks on our kernels, every
+        other layer dense, each served by the fastest weight-only path measured, bf16 among
+        them for many-row calls; CPU float32, elsewhere the same as None), None (dense fp32
+        weights through F.linear: the correctness oracle), "int8" (int8 weights; each layer
+        and row count served by the fastest correct of our C++ kernels, fbgemm's dynamic
+        int8, torch._int_mm and fp32, measured on the machine) or "int4" (4-bit group-wise
+        weights, our C++ kernels). int8 / int4: CPU, dtype float32.
     cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
@@ -93,10 +97,13 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context cap in tokens, prompt + output",
                                        metavar="TOKENS")
     quantization: str | None = option(
-        None, "linear layers (CPU, float32 only): int8 weights (the fastest correct of our C++ "
-        "kernels, fbgemm, torch._int_mm and fp32, measured per machine and row count), int4 "
-        "(4-bit weights in groups of 32, our C++ kernels); none: dense fp32 weights, the "
-        "default", choices=("none", "int8", "int4"), none="none")
+        "auto", "linear layers (CPU, float32): auto = the checkpoint's own weights (a GGUF "
+        "file's Q4_0/Q4_1/Q8_0 blocks on our kernels, other layers dense), each layer and row "
+        "count on the fastest weight-only kernel measured; none = dense fp32 weights through "
+        "F.linear (the oracle); int8 = int8 weights (the fastest correct of our C++ kernels, "
+        "fbgemm, torch._int_mm and fp32, measured per machine and row count); int4 = 4-bit "
+        "weights in groups of 32 (our C++ kernels)", choices=("auto", "none", "int8", "int4"),
+        none="none")
     cpu_decode_kernel: str = option(
         "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
         "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
@@ -143,10 +150,11 @@ class ModelConfig:
                self.adaptive_threads)
         _check(isinstance(self.generation_config, str) and self.generation_config != "",
                "generation_config", '"auto", "vllm" or a path', self.generation_config)
-        _check(self.quantization in (None, "int8", "int4"), "quantization",
-               'None, "int8" or "int4"', self.quantization)
-        _check(self.quantization is None or (self.dtype == "float32" and self.device == "cpu"),
-               "quantization", 'none unless dtype is "float32" and device "cpu"',
+        _check(self.quantization in (None, "auto", "int8", "int4"), "quantization",
+               '"auto", None, "int8" or "int4"', self.quantization)
+        _check(self.quantization in (None, "auto") or (self.dtype == "float32"
+                                                       and self.device == "cpu"),
+               "quantization", 'auto or none unless dtype is "float32" and device "cpu"',
                self.quantization)
         _check(not self.batch_invariant or (self.dtype == "float32" and self.device == "cpu"
                                             and self.attention_backend != "triton"

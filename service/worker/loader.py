@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,8 @@ class LoadedModel:
     weights: HF parameter names -> tensors (dtype as asked, on CPU).
     inv_freq: [D/2] float32 rotary inverse frequencies; attention_scaling: cos/sin factor.
     eos_token_ids: every id that ends generation (config, generation config, tokenizer).
+    gguf_path: the .gguf file the weights were dequantized from, or None (an HF folder):
+        ``--quantization auto`` reads its blocks (``service.worker.gguf_weights``).
     """
 
     name: str
@@ -34,6 +36,10 @@ class LoadedModel:
     inv_freq: torch.Tensor
     attention_scaling: float
     eos_token_ids: frozenset[int]
+    gguf_path: str | None = None
+    gguf_linear: object = field(default=None, repr=False, compare=False)
+    """``service.worker.gguf_weights.GGUFLinearWeights`` once read (``linear_weights_of``):
+    runners built over one LoadedModel (tests, benchmarks) read the file once."""
 
 
 def default_model_path() -> str:
@@ -107,4 +113,5 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
         inv_freq=rotary.inv_freq.detach().float().clone(),
         attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         eos_token_ids=frozenset(eos),
+        gguf_path=str(Path(path).resolve()) if "gguf_file" in kw else None,
     )

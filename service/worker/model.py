@@ -65,7 +65,7 @@ class LlamaModel:
         self.eps = float(cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
         self.max_position = int(cfg.max_position_embeddings)
-        self.quantization: str | None = None  # "int8" / "int4" after quantize()
+        self.quantization: str | None = None  # "int8" / "int4" / "auto" after quantize()
         # The fused forward per linear row bucket (service.worker.fused_forward), for steps
         # whose every row is a kernel row of the CPU attention plan; empty: never fused.
         self.fused: dict[int, Callable[..., torch.Tensor]] = {}
@@ -134,11 +134,13 @@ class LlamaModel:
                 raise ValueError(f"{n} is already quantized")
         return {n: (lin.weight, lin.bias) for n, lin in out.items()}
 
-    def quantize(self, make_linear: Callable[[str, torch.Tensor, torch.Tensor | None], Linear],
+    def quantize(self, make_linear: Callable[[str, torch.Tensor, torch.Tensor | None, int | None],
+                                             Linear],
                  mode: str | None, observed: list[dict[str, AmaxObserver]] | None = None,
                  smooth: Collection[str] = ()) -> None:
         """Replace every dense linear layer (LM head included) by
-        ``make_linear(class, weight, bias)``, after folding SmoothQuant factors into the
+        ``make_linear(class, weight, bias, layer index or None for the LM head)``, after
+        folding SmoothQuant factors into the
         inputs of the classes in `smooth` (those served by activation-quantizing paths).
 
         mode: the model's quantization label afterwards (None: still fp32 weights).
@@ -166,12 +168,12 @@ class LlamaModel:
                  "down_w": inner["down"].weight, "ln1_w": layer.ln1_w, "ln2_w": layer.ln2_w},
                 {n: o.amax for n, o in obs.items()}, smooth,
                 self.num_heads, self.num_kv_heads, self.head_dim, where=f"layer {i}")
-            layer.qkv = make_linear("qkv", w["qkv_w"], w["qkv_b"])
-            layer.o = make_linear("o", w["o_w"], None)
-            layer.gate_up = make_linear("gate_up", w["gate_up_w"], None)
-            layer.down = make_linear("down", w["down_w"], None)
+            layer.qkv = make_linear("qkv", w["qkv_w"], w["qkv_b"], i)
+            layer.o = make_linear("o", w["o_w"], None, i)
+            layer.gate_up = make_linear("gate_up", w["gate_up_w"], None, i)
+            layer.down = make_linear("down", w["down_w"], None, i)
             layer.ln1_w, layer.ln2_w = w["ln1_w"], w["ln2_w"]
-        self.lm_head = make_linear("lm_head", self.lm_head.weight, self.lm_head.bias)
+        self.lm_head = make_linear("lm_head", self.lm_head.weight, self.lm_head.bias, None)
         self.quantization = mode
         self.fused = {}  # built over the old linears: the runner builds it anew
 

@@ -24,6 +24,7 @@ from service.worker.decode_kernel import check_decode_kernel_builds, choose_deco
 from service.worker.fused_forward import build_fused_forward
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
+from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.plan import LinearPlan
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
@@ -88,7 +89,9 @@ class ModelRunner:
         self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
         self.tokenizer = self.loaded.tokenizer
         self.vocab = self.model.vocab_size
-        self.quantization = mc.quantization
+        # auto serves the checkpoint's own weights on the CPU in fp32; elsewhere it is dense
+        self.quantization = mc.quantization if mc.quantization != "auto" or (
+            self.device.type == "cpu" and self.dtype == torch.float32) else None
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         self.block_size = cc.block_size
         model_len = self.model.max_position
@@ -102,9 +105,13 @@ class ModelRunner:
         self.kv_bytes_per_block = per_block
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
-        if mc.quantization is not None or mc.batch_invariant:
-            self.linear_plan = apply_linear_plan(self.model, mc.quantization or "none",
-                                                 mc.batch_invariant, self.calibrate)
+        if self.quantization is not None or mc.batch_invariant:
+            # a caller's LoadedModel may serve more runners: keep its blocks on it
+            gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
+                if self.quantization == "auto" else None
+            self.linear_plan = apply_linear_plan(self.model, self.quantization or "none",
+                                                 mc.batch_invariant, self.calibrate, gguf)
+            del gguf
         # Decode steps (every step when batch-invariant) as one native call where the
         # linear plan put C++ kernels on every layer.
         self.model.fused, self.fused_decode = build_fused_forward(

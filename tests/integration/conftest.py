@@ -15,11 +15,11 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   max_waiting_requests: int = 1024, preemption_mode: str = "auto",
                   swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
                   scheduling_policy: str = "fcfs", batching: str = "continuous",
-                  ) -> EngineConfig:
+                  quantization: str | None = "auto") -> EngineConfig:
     from service.config import ModelConfig
 
     return EngineConfig(
-        model=ModelConfig(attention_backend=attention_backend),
+        model=ModelConfig(attention_backend=attention_backend, quantization=quantization),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
                           kv_watermark_low=watermarks[0], kv_watermark_high=watermarks[1],

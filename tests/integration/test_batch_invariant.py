@@ -79,7 +79,7 @@ def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[Requ
     return [r.output_token_ids for r in reqs], reqs
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "auto"])
 def test_greedy_tokens_and_logits_are_the_same_bits(loaded_model, tokenizer, monkeypatch,
                                                     quantization) -> None:
     monkeypatch.setattr(choice, "default_timer", _fake_timer)
@@ -90,6 +90,9 @@ def test_greedy_tokens_and_logits_are_the_same_bits(loaded_model, tokenizer, mon
     plan = llm.runner.linear_plan
     assert plan is not None and plan.batch_invariant
     assert all(n.startswith("cpp-") for names in plan.choices.values() for n in names)
+    if quantization == "auto":  # the default GGUF's own formats, one numerics per class
+        assert {n.rsplit("-", 1)[0] for n in plan.choices["gate_up"]} == {"cpp-q4_1"}
+        assert {n.rsplit("-", 1)[0] for n in plan.choices["lm_head"]} == {"cpp-q8_0"}
     rec = _Recorder(llm)
     prompt = tokenizer.encode(PROMPT)
     assert len(prompt) > 32  # two full blocks of 16 to hit in the prefix cache

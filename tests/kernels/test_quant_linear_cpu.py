@@ -4,11 +4,14 @@ AVX2 and AVX-512 builds bit-identical, argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import (FORMATS, PackedWeight, pack_f32, pack_int4, pack_int8,
+                                pack_q4_1, pack_q4_1_blocks, pack_q8_0, pack_q8_0_blocks,
                                 quant_linear_ref, quantize_int4, unpack)
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
@@ -21,6 +24,10 @@ ROWS = [1, 7, 16, 64, 300]
 def _pack(fmt: str, w: torch.Tensor, b: torch.Tensor | None, group: int = 32) -> PackedWeight:
     if fmt == "f32":
         return pack_f32(w, b)
+    if fmt == "q4_1":
+        return pack_q4_1(w, b, group=group)
+    if fmt == "q8_0":
+        return pack_q8_0(w, b, group=group)
     return pack_int8(w, b) if fmt == "int8" else pack_int4(w, b, group=group)
 
 
@@ -73,13 +80,70 @@ def test_avx2_and_avx512_builds_are_bit_identical(fmt, rows) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["int4", "q4_1", "q8_0"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_group_sizes_and_partial_last_group(isa, group) -> None:
+def test_group_sizes_and_partial_last_group(isa, fmt, group) -> None:
     w, b, x = _data(70, 200, 9)  # 200 = 1 full group of 128 and a partial one
-    packed = pack_int4(w, b, group=group)
+    packed = _pack(fmt, w, b, group=group)
     ref = quant_linear_ref(x, packed)
     torch.testing.assert_close(qlc.quant_linear(x, packed, isa), ref, rtol=1e-4,
                                atol=1e-4 * float(ref.abs().max()))
+    for rows in (1, 5):
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa),
+                           qlc.quant_linear(x, packed, isa)[:rows])
+
+
+def _q4_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random GGUF-like Q4_1 blocks: q [N, K] in [0, 15], fp16 d > 0 and m [N, K / 32]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.2).half()
+    return q, d, m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_1_is_int4_with_fp16_scales_bit_for_bit(isa, rows) -> None:
+    """q4_1 (fp16 d / min, converted exactly in the kernel) runs int4's fp32 sequence: over
+    the same values both give the same bits, in every path (one row, tiles, strips)."""
+    q, d, m = _q4_blocks(200, 192, seed=rows)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(1))
+    half = pack_q4_1_blocks(q, d, m, group=32)
+    full = dataclasses.replace(half, fmt="int4", scale=half.scale.float(), minv=half.minv.float())
+    assert half.scale.dtype == torch.float16 and half.minv.dtype == torch.float16
+    assert torch.equal(unpack(half), unpack(full))
+    assert torch.equal(qlc.quant_linear(x, half, isa), qlc.quant_linear(x, full, isa))
+
+
+def test_q4_1_and_q8_0_blocks_dequantize_as_gguf() -> None:
+    """The weight is the file's: Q4_1 d * q + m (fp32, as gguf-py and ggml dequantize),
+    Q4_0 (q - 8) d as q4_1 with m = -8 d, Q8_0 d * q, each exactly."""
+    q, d, m = _q4_blocks(40, 64)
+    g_of_k = torch.arange(64) // 32
+    want = d.float()[:, g_of_k] * q.float() + m.float()[:, g_of_k]
+    assert torch.equal(unpack(pack_q4_1_blocks(q, d, m)), want)
+    q0 = (q.to(torch.int16) - 8).float()
+    assert torch.equal(unpack(pack_q4_1_blocks(q, d, -8 * d)), d.float()[:, g_of_k] * q0)
+    q8 = torch.randint(-127, 128, (40, 64), dtype=torch.int8,
+                       generator=torch.Generator().manual_seed(2))
+    assert torch.equal(unpack(pack_q8_0_blocks(q8, d)), d.float()[:, g_of_k] * q8.float())
+
+
+def test_block_packers_reject_bad_blocks() -> None:
+    q, d, m = _q4_blocks(8, 64)
+    with pytest.raises(ValueError, match="d must be"):
+        pack_q4_1_blocks(q, d.float(), m)
+    with pytest.raises(ValueError, match="d must be"):
+        pack_q4_1_blocks(q, d[:, :1], m[:, :1])
+    with pytest.raises(ValueError, match="m must be"):
+        pack_q4_1_blocks(q, d, m.float())
+    with pytest.raises(ValueError, match="0, 15"):
+        pack_q4_1_blocks(q | 16, d, m)
+    with pytest.raises(ValueError, match="q must be"):
+        pack_q8_0_blocks(q, d)
+    with pytest.raises(ValueError, match="fp16 range"):
+        pack_q8_0(torch.full((2, 32), 1e7))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -137,7 +201,7 @@ def test_int4_quantization_error_within_half_a_step() -> None:
 @pytest.mark.parametrize("bad", [torch.zeros(4), torch.zeros(2, 3, dtype=torch.int32),
                                  torch.tensor([[1.0, float("nan")]]), torch.zeros(0, 3)])
 def test_pack_rejects_bad_weights(bad) -> None:
-    for pack in (pack_f32, pack_int8, pack_int4):
+    for pack in (pack_f32, pack_int8, pack_int4, pack_q4_1, pack_q8_0):
         with pytest.raises(ValueError):
             pack(bad)
     with pytest.raises(ValueError, match="bias"):
@@ -151,3 +215,8 @@ def test_packed_sizes() -> None:
     p = pack_int4(w, group=32)
     assert p.data.shape == (2, 32, 64) and p.scale.shape == (2, 2, 64)
     assert p.nbytes == 128 * 32 + 2 * 128 * 2 * 4
+    # GGUF's byte budget: Q4_1 5.0 bits a weight (fp16 d and min), Q8_0 8.5 bits
+    p = pack_q4_1(torch.randn(128, 64))
+    assert p.scale.shape == (2, 2, 64) and p.nbytes * 8 / (128 * 64) == 5.0
+    p = pack_q8_0(torch.randn(128, 64))
+    assert p.data.dtype == torch.int8 and p.minv is None and p.nbytes * 8 / (128 * 64) == 8.5

@@ -157,13 +157,20 @@ def test_candidates_per_mode() -> None:
     int8 = [p.name for p in candidates("int8", False)]
     assert int8[0] == "fp32" and "fbgemm" in int8 and "int_mm" in int8  # never slower than fp32
     assert "cpp-int8-avx2" in int8 and not any("int4" in n for n in int8)
-    assert all(p.name.startswith("cpp-int4-") or p.name == "int4-dequant-mm"
+    assert all(p.name.startswith("cpp-int4-") or p.name in ("int4-dequant-mm", "bf16")
                for p in candidates("int4", False))
+    assert "bf16" in int8 and "bf16" in [p.name for p in candidates("int4", False)]
     for mode, fmt in (("none", "f32"), ("int8", "int8"), ("int4", "int4")):
         bi = candidates(mode, True)
         assert bi and all(p.name.startswith(f"cpp-{fmt}-") and p.row_invariant for p in bi)
         assert len({p.numerics for p in bi}) == 1  # one numerics: builds may switch per bucket
-    assert [p.name for p in candidates("none", False)] == ["fp32"]
+    assert [p.name for p in candidates("none", False)] == ["fp32"]  # the oracle: never bf16
+    auto = candidates("auto", False)
+    assert not any(p.quantizes_activations for p in auto)  # auto never quantizes activations
+    assert {"fp32", "cpp-f32-avx2", "cpp-q4_1-avx2", "cpp-q8_0-avx2", "bf16"} <= \
+        {p.name for p in auto} and not any("int8" in p.name or "int4" in p.name for p in auto)
+    assert PATHS["bf16"].min_rows == 16 and PATHS["bf16"].bound("auto") == 0.02
+    assert all(p.row_invariant for p in candidates("auto", True))
     with pytest.raises(ValueError, match="mode"):
         candidates("int3", False)
 
@@ -189,3 +196,51 @@ def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monk
     assert order.count("slow") == 2  # more than 4x behind after round 1: not timed again
     assert order.count("a") > 4
     assert BUCKETS == (1, 16, 64, 512)
+
+
+def _q4_layer(n: int, k: int):
+    """A GGUF-like Q4_1 layer: its blocks and their dequantized fp32 weight."""
+    from service.worker.gguf_weights import BlockWeight
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.2).half()
+    blocks = BlockWeight(("Q4_1",), "q4_1", q, d, m)
+    return blocks, blocks.dequantize()
+
+
+def test_auto_offers_native_paths_only_to_layers_with_their_blocks() -> None:
+    """auto on a GGUF file: the q4_1 layer may take cpp-q4_1 (its own blocks, exact), the
+    dense one only fp32 / cpp-f32 / bf16; bf16 is not timed below 16 rows."""
+    blocks, w = _q4_layer(64, 64)
+    layers = {"qkv": (w, None), "lm_head": (torch.randn(40, 32), None)}
+    paths = [PATHS[n] for n in ("fp32", "cpp-f32-avx2", "cpp-q4_1-avx2", "bf16")
+             if PATHS[n].problem() is None]
+    calls: list = []
+
+    def timer(cls, rows, makers):
+        calls.extend((name, cls, rows) for name in makers)
+        return {name: {"cpp-q4_1-avx2": 1.0, "bf16": 0.5}.get(name, 3.0) for name in makers}
+
+    plan = choice.choose_plan(layers, paths, "auto", False, timer=timer, natives={"qkv": blocks})
+    names = {p.name for p in paths}
+    if "cpp-q4_1-avx2" in names:
+        assert plan.choices["qkv"][0] == "cpp-q4_1-avx2"
+        assert plan.errors["qkv"]["cpp-q4_1-avx2"][0] < 1e-6
+    assert not any(n == "cpp-q4_1-avx2" and cls == "lm_head" for n, cls, _ in calls)
+    assert not any(n == "bf16" and rows < 16 for n, _, rows in calls)
+    assert plan.choices["lm_head"][1] == "bf16"  # the fake timer has it fastest from 16 rows
+    # a layer without blocks of the chosen format gets a path that can serve it
+    mixed = LinearPlan("auto", False, {"qkv": ("cpp-q4_1-avx2",) * 4})
+    if "cpp-q4_1-avx2" in names:
+        lin = mixed.make_linear("qkv", w, None)
+        assert lin.packed.fmt == "f32" and torch.equal(lin(torch.eye(64)[:3]), w.t()[:3])
+
+
+def test_auto_batch_invariant_keeps_one_numerics_per_layer() -> None:
+    blocks, w = _q4_layer(64, 64)
+    lw = choice.LayerWeights(w, None, native=blocks)
+    got = choice.class_paths(candidates("auto", True), lw, True)
+    assert got and len({p.numerics for p in got}) == 1 and got[0].native == "q4_1"
+    dense = choice.class_paths(candidates("auto", True), choice.LayerWeights(w, None), True)
+    assert dense and all(p.name.startswith("cpp-f32-") for p in dense)

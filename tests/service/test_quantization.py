@@ -161,7 +161,9 @@ def test_calibration_tokens_use_the_chat_template(smollm_tokenizer) -> None:
 
 
 def test_quantization_setting_is_validated_and_parsed() -> None:
-    assert ModelConfig().quantization is None
+    assert ModelConfig().quantization == "auto"  # the checkpoint's own weights
+    assert ModelConfig(quantization=None).quantization is None  # the fp32 oracle
+    assert ModelConfig(quantization="auto", dtype="bfloat16").quantization == "auto"  # = none
     assert ModelConfig(quantization="int8").quantization == "int8"
     assert ModelConfig(quantization="int4").quantization == "int4"
     with pytest.raises(ValueError, match="quantization"):
@@ -172,7 +174,8 @@ def test_quantization_setting_is_validated_and_parsed() -> None:
         ModelConfig(quantization="int8", device="cuda")
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config(p.parse_args([])).model.quantization is None
+    assert engine_config(p.parse_args([])).model.quantization == "auto"
+    assert engine_config(p.parse_args(["--quantization", "none"])).model.quantization is None
     assert engine_config(p.parse_args(["--quantization", "int8"])).model.quantization == "int8"
     assert engine_config(p.parse_args(["--quantization", "int4"])).model.quantization == "int4"
     with pytest.raises(SystemExit):
@@ -198,10 +201,17 @@ def test_clones_compute_the_same_on_other_memory() -> None:
 
     w, b = _weight(64, 32), torch.randn(64)
     x = torch.randn(5, 32)
-    lw = LayerWeights(w, b)
+    from service.worker.gguf_weights import BlockWeight
+    q = torch.randint(0, 16, (64, 32), dtype=torch.uint8)
+    blocks = {"q4_1": BlockWeight(("Q4_1",), "q4_1", q, torch.rand(64, 1).half(),
+                                  -torch.rand(64, 1).half()),
+              "q8_0": BlockWeight(("Q8_0",), "q8_0", q.to(torch.int8) - 8,
+                                  torch.rand(64, 1).half(), None)}
     for name, path in PATHS.items():
         if path.problem() is not None:
             continue
+        lw = LayerWeights(w, b) if path.native is None else \
+            LayerWeights(blocks[path.native].dequantize(), b, native=blocks[path.native])
         lin = path.bind(lw)
         twin = lin.clone()
         assert torch.equal(twin(x), lin(x)), name

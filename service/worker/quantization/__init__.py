@@ -1,5 +1,6 @@
-"""Linear layers of the model: dense fp32 (the default), int8 or int4 on the CPU, and the
-batch-invariant variants; which kernel serves each layer is measured per machine.
+"""Linear layers of the model: auto (the default: the checkpoint's own weights), dense fp32,
+int8 or int4 on the CPU, and the batch-invariant variants; which kernel serves each layer is
+measured per machine.
 
     linear.py       the Linear interface and DenseLinear (F.linear)
     torch_int8.py   int8 through torch: fbgemm's dynamic linear, torch._int_mm per token
@@ -17,7 +18,7 @@ from service.worker.quantization.smoothing import (CALIBRATION_ANSWER, CALIBRATI
                                             calibration_token_ids, smoothing_factors)
 from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni, quantize_per_channel
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("auto", "int8", "int4")
 """Values of `ModelConfig.quantization` besides None (dense weights)."""
 
 __all__ = [

@@ -3,36 +3,93 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from service.worker.quantization.choice import choose_plan
-from service.worker.quantization.paths import candidates, machine_note
-from service.worker.quantization.plan import LinearPlan
+from service.worker.quantization.paths import BF16Linear, candidates, machine_note
+from service.worker.quantization.plan import DispatchLinear, LinearPlan
 
 if TYPE_CHECKING:
+    from service.worker.gguf_weights import BlockWeight, GGUFLinearWeights
     from service.worker.model import LlamaModel
 
 log = logging.getLogger(__name__)
+CLASSES = ("qkv", "o", "gate_up", "down")
+
+
+def _dense_weight(model: LlamaModel, layer: int | None, cls: str) -> torch.Tensor:
+    lin = model.lm_head if layer is None else getattr(model.layers[layer], cls)
+    return lin.weight  # type: ignore[attr-defined]
+
+
+def verified_natives(model: LlamaModel, gguf: GGUFLinearWeights
+                     ) -> dict[tuple[int | None, str], BlockWeight]:
+    """The GGUF file's native layers whose dequantization equals the model's dense weight
+    (transformers' dequantized fp32, the oracle's) bit for bit; a layer that does not (a
+    tensor mapping we got wrong) is logged and served from the dense weight."""
+    ok: dict[tuple[int | None, str], BlockWeight] = {}
+    for key, blocks in gguf.native.items():
+        if torch.equal(blocks.dequantize(), _dense_weight(model, *key)):
+            ok[key] = blocks
+        else:
+            log.warning("quantization auto: layer %s %s's GGUF blocks (%s) do not give "
+                        "transformers' weights; serving it dequantized", key[0], key[1],
+                        "/".join(blocks.gguf_types))
+    for gguf_type, n in sorted(gguf.dequantized_types().items()):
+        log.warning("quantization auto: GGUF block type %s has no kernel of ours that "
+                    "reproduces it: %d linear layer(s) served dequantized (fp32 weights)",
+                    gguf_type, n)
+    return ok
+
+
+def served_formats(model: LlamaModel,
+                   natives: Mapping[tuple[int | None, str], BlockWeight]) -> str:
+    """What the model's linear layers serve one-row calls from, per weight format with the
+    number of linear layers: e.g. "q4_1 (GGUF Q4_1): 120 layers; q8_0 (GGUF Q8_0): 1 layer"."""
+    counts: Counter[str] = Counter()
+    keys = [(i, c) for i in range(model.num_layers) for c in CLASSES] + [(None, "lm_head")]
+    for layer, cls in keys:
+        lin = model.lm_head if layer is None else getattr(model.layers[layer], cls)
+        lin = lin.fns[0] if isinstance(lin, DispatchLinear) else lin
+        packed = getattr(lin, "packed", None)
+        fmt = (packed.fmt if packed.fmt != "f32" else "fp32") if packed is not None else \
+            "bf16" if isinstance(lin, BF16Linear) else "fp32"
+        blocks = natives.get((layer, cls))
+        if blocks is not None and fmt == blocks.fmt:
+            fmt += f" (GGUF {'/'.join(sorted(set(blocks.gguf_types)))})"
+        counts[fmt] += 1
+    return "; ".join(f"{k}: {n} layer{'s' if n != 1 else ''}" for k, n in counts.items())
 
 
 @torch.inference_mode()
 def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
-                      calibrate: Callable[[], list]) -> LinearPlan:
+                      calibrate: Callable[[], list],
+                      gguf: GGUFLinearWeights | None = None) -> LinearPlan:
     """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached per
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
     serves (``calibrate()``: per-layer AmaxObservers), and replace the model's linear layers.
 
-    mode: "none" (fp32 weights; batch invariance only), "int8" or "int4".
+    mode: "none" (fp32 weights; batch invariance only), "int8", "int4" or "auto" (the
+        checkpoint's own weights: `gguf`'s native blocks where given and verified, else
+        the dense weights, on the fastest weight-only path measured).
+    gguf: auto on a GGUF file: its layers in their own block formats.
 
     Raises:
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
             C++ kernels).
     """
+    natives = verified_natives(model, gguf) if gguf is not None and mode == "auto" else {}
+    first = {c: natives[(0, c)] for c in CLASSES if (0, c) in natives}
+    if (None, "lm_head") in natives:
+        first["lm_head"] = natives[(None, "lm_head")]
     plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
-                       batch_invariant)
+                       batch_invariant, natives=first)
+    plan = LinearPlan(plan.mode, plan.batch_invariant, plan.choices, plan.timings_ms,
+                      plan.errors, plan.unavailable, plan.int4_group, natives)
     log.info("%s\n  (%s)", plan.table(), machine_note())
     if mode == "int8" and plan.all_fp32():
         log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "
@@ -42,4 +99,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
     log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
              ", ".join(sorted(smooth)) or "none")
-    return plan
+    if mode == "auto":
+        log.info("quantization auto: one-row calls (decode) read %s",
+                 served_formats(model, natives))
+    return plan.without_natives()

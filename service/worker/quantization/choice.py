@@ -33,12 +33,16 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
 from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+
+if TYPE_CHECKING:
+    from service.worker.gguf_weights import BlockWeight
 from service.worker.quantization.plan import BUCKETS, LinearPlan
 
 log = logging.getLogger(__name__)
@@ -173,15 +177,26 @@ def _cache_path() -> Path:
     return cache_dir() / f"linear-timings-{cache_key()}.json"
 
 
+_PROCESS_TIMINGS: dict[str, dict[str, float]] = {}
+"""cache key -> timings measured in this process, also those a busy machine kept off the
+disk: a process that builds several runners (tests, benchmarks) times each shape once."""
+
+
 def _load_cache() -> dict[str, float]:
+    mine = _PROCESS_TIMINGS.get(cache_key(), {})
     try:
         data = json.loads(_cache_path().read_text())
-        return {str(k): float(v) for k, v in data.get("timings_ms", {}).items()}
+        return {**{str(k): float(v) for k, v in data.get("timings_ms", {}).items()}, **mine}
     except (OSError, ValueError, AttributeError):
-        return {}
+        return dict(mine)
+
+
+def _remember(timings: Mapping[str, float]) -> None:
+    _PROCESS_TIMINGS.setdefault(cache_key(), {}).update(timings)
 
 
 def _save_cache(timings: Mapping[str, float]) -> None:
+    _remember(timings)
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,16 +219,31 @@ def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
     return min(ok)[2] if ok else None
 
 
+def class_paths(paths: Sequence[LinearPath], lw: LayerWeights,
+                batch_invariant: bool) -> list[LinearPath]:
+    """The paths among `paths` that can serve the layer `lw` (a native q4_1 / q8_0 path
+    needs its blocks); batch-invariant: only those with the first one's numerics (the
+    candidates list the layer's native format before f32), so that every bucket computes
+    the same bits."""
+    ok = [p for p in paths if p.accepts(lw)]
+    return [p for p in ok if p.numerics == ok[0].numerics] if batch_invariant and ok else ok
+
+
 def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 paths: Sequence[LinearPath], mode: str, batch_invariant: bool, *,
                 timer: Timer | None = None, use_cache: bool = True,
-                int4_group: int | None = None) -> LinearPlan:
+                int4_group: int | None = None,
+                natives: Mapping[str, BlockWeight] | None = None) -> LinearPlan:
     """Measure and choose a path per (shape class, row bucket).
 
     Args:
         layers: class name ("qkv", "o", "gate_up", "down", "lm_head") -> (weight [N, K]
             float32, bias [N] or None) of one layer of that class.
-        paths: the candidates (``paths.candidates(mode, batch_invariant)``).
+        paths: the candidates (``paths.candidates(mode, batch_invariant)``); each class
+            takes those that accept its layer (``class_paths``). A path is correct within
+            its own bound (``LinearPath.bound``) and timed from ``min_rows`` rows on.
+        natives: class -> the checkpoint's own blocks of that layer (auto on a GGUF file),
+            whose dequantization is the layer's weight.
         timer: measures a path (default: ``default_timer``); tests pass a fake.
         use_cache: reuse and store timings in the per-machine cache.
 
@@ -231,14 +261,16 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     busy = load > cpus + max(1.0, cpus / 2)  # our own model load counts too
     timings = dict(cached)
     bound = ERROR_BOUNDS[mode]
+    bounds = {p.name: p.bound(mode) for p in usable}
     errors: dict[str, dict[str, tuple[float, float]]] = {}
     table: dict[str, list[dict[str, float]]] = {}
     choices: dict[str, tuple[str, ...]] = {}
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
-        lw = LayerWeights(weight, bias, **kw)
-        errors[cls] = {p.name: relative_errors(p, lw) for p in usable}
-        correct = [p for p in usable if min(errors[cls][p.name]) <= bound]
+        lw = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
+        mine = class_paths(usable, lw, batch_invariant)
+        errors[cls] = {p.name: relative_errors(p, lw) for p in mine}
+        correct = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]]
         if not correct:
             raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
                              f"{cls} {tuple(weight.shape)}: {errors[cls]}")
@@ -252,7 +284,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
             err = {n: e[0 if rows == 1 else 1] for n, e in errors[cls].items()}
             keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
                              f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
-                    for p in correct if err[p.name] <= bound}
+                    for p in correct if err[p.name] <= bounds[p.name] and rows >= p.min_rows}
             missing = [p for p in correct if p.name in keys and keys[p.name] not in timings]
             if missing:
                 x = torch.randn(rows, weight.shape[1])
@@ -270,7 +302,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 timings.update({keys[p.name]: got[p.name] for p in missing})
             row = {n: timings[k] for n, k in keys.items()}
             table[cls].append(row)
-            choice = pick(table[cls][-1], err, bound)
+            choice = pick(table[cls][-1], {n: e - bounds[n] for n, e in err.items()}, 0.0)
             assert choice is not None, f"{cls}: a correct path went untimed"
             picked.append(choice)
         copies.clear()
@@ -279,7 +311,9 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     if use_cache and timings != cached:
         if busy:
             log.warning("the machine was busy while linear kernels were timed (load average "
-                        "%.1f on %d CPUs): the choice may be off, and is not cached", load, cpus)
+                        "%.1f on %d CPUs): the choice may be off, and is not cached on disk "
+                        "(this process reuses it)", load, cpus)
+            _remember(timings)
         else:
             _save_cache(timings)
     return LinearPlan(mode, batch_invariant, choices, table, errors,

@@ -10,7 +10,20 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``fbgemm`` | int8 per channel | uint8 per tensor (7 bits without VNNI) | no |
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
-| ``{int8,int4}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
+| ``{int8,int4,q4_1,q8_0}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
+
+Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
+here), and ``auto`` (the default): the checkpoint's own weights, never re-quantized, never
+activation-quantizing paths: a GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0
+paths over its own blocks (``service.worker.gguf_weights``) beside ``fp32`` and ``cpp-f32``
+over the same weights dequantized; any other layer ``fp32`` / ``cpp-f32``. ``bf16`` is
+offered in auto, int8 and int4 for calls of 16 rows and more (``min_rows``) under its own
+error bound: it rounds weights and activations to bf16, so where it serves, outputs are
+within bf16 rounding of the checkpoint's, not the same up to summation order. It wins only
+where the CPU computes bf16 in hardware (AMX, AVX512-BF16); elsewhere torch emulates it and
+the timing refuses it.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +43,33 @@ from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni
 
-MODES = ("none", "int8", "int4")
+if TYPE_CHECKING:
+    from service.worker.gguf_weights import BlockWeight
+
+MODES = ("none", "int8", "int4", "auto")
 INT4_GROUP = 32
 """Input channels per int4 group (a scale and a min per group), as GGUF's Q4_0 / Q4_1 blocks:
 the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit weights
 exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
 measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
-ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2}
+ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2, "auto": 1e-4}
 """Largest relative error ``|y - y_fp32| / |y_fp32|`` (``choice.relative_errors``: random
 rows with an outlier token, through the model's own weight) a path of each mode may show to
 be chosen. On SmolLM2-135M (AVX-512 VNNI), Gaussian rows: int8 weights per channel
 0.008-0.013, fbgemm 0.011-0.016, int_mm 0.011-0.015; fbgemm without VNNI needs 7-bit
 activations, and without reduce_range there saturates (0.07-0.18): refused. With an outlier
 token in the call fbgemm's per-tensor range is refused too (it serves one-row calls only).
-int4: see INT4_GROUP."""
+int4: see INT4_GROUP. auto: the checkpoint's weights themselves (fp32 summation order only).
+A path may bring a bound of its own (``LinearPath.error_bound``: bf16)."""
+BF16_ERROR_BOUND = 0.02
+"""bf16 rounds each weight and activation to 8 significant bits (relative error 2^-9 each);
+over a dot product of a few hundred terms that gives 0.002-0.005 relative error on random
+rows (SmolLM2-135M's layers; an outlier token does not change it: one rounding per row).
+0.02 is half of int8's bound."""
+BF16_MIN_ROWS = 16
+"""bf16 is offered for calls of this many rows and more: prefill chunks and big batches, where
+the product is compute-bound and AMX pays; decode-sized calls stream weights, where 4-bit
+weights read 4x fewer bytes."""
 
 
 class CppLinear:
@@ -60,6 +87,30 @@ class CppLinear:
     def clone(self) -> CppLinear:
         """The same layer on distinct memory (benchmarks stream copies from DRAM)."""
         return CppLinear(_clone_packed(self.packed), self.isa)
+
+
+class BF16Linear:
+    """``F.linear`` over bf16 weights ``[out, in]``: x cast to bf16, the output back to fp32
+    (fp32 bias added after). oneDNN runs it on AMX tiles or AVX512-BF16 where the CPU has
+    them; other CPUs emulate bf16 (slower than fp32)."""
+
+    __slots__ = ("weight", "bias", "in_features", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach().to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.detach().float()
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self.bias is None else y.add_(self.bias)
+
+    def clone(self) -> BF16Linear:
+        """The same layer on distinct memory (benchmarks stream copies from DRAM)."""
+        c = BF16Linear.__new__(BF16Linear)
+        c.weight, c.bias = self.weight.clone(), self.bias
+        c.out_features, c.in_features = self.out_features, self.in_features
+        return c
 
 
 class DequantLinear:
@@ -88,11 +139,26 @@ def _clone_packed(p: PackedWeight) -> PackedWeight:
 class LayerWeights:
     """One layer's fp32 weight [N, K] and bias [N] (or None), with the packed forms the
     paths share built once on first use (e.g. the int8 packing serves both C++ builds and
-    the dequantizing path)."""
+    the dequantizing path).
+
+    native: the checkpoint's own blocks of this weight (a GGUF Q4_0 / Q4_1 / Q8_0 tensor,
+    ``service.worker.gguf_weights.BlockWeight``), whose dequantization is `weight`; None
+    for a dense checkpoint or a block type served dequantized."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 int4_group: int = INT4_GROUP) -> None:
+                 int4_group: int = INT4_GROUP, native: BlockWeight | None = None) -> None:
         self.weight, self.bias, self.int4_group = weight, bias, int4_group
+        self.native = native
+
+    @property
+    def native_fmt(self) -> str | None:
+        """"q4_1", "q8_0" or None (no native blocks)."""
+        return None if self.native is None else self.native.fmt
+
+    @functools.cached_property
+    def packed_native(self) -> PackedWeight:
+        assert self.native is not None, "no native blocks for this layer"
+        return self.native.pack(self.bias)
 
     @functools.cached_property
     def packed_f32(self) -> PackedWeight:
@@ -112,9 +178,12 @@ class LinearPath:
     """A way to run a linear layer.
 
     name: e.g. "cpp-int8-avx2". mode: the --quantization it belongs to ("none", "int8",
-    "int4"). row_invariant: a row's output never depends on the other rows of the call.
-    quantizes_activations: needs SmoothQuant'd weights. bind: builds the callable.
-    problem: why the path cannot run here (None when it can).
+    "int4", "auto"; ``candidates`` says which modes offer it). row_invariant: a row's output
+    never depends on the other rows of the call. quantizes_activations: needs SmoothQuant'd
+    weights. bind: builds the callable. problem: why the path cannot run here (None when it
+    can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0"; it serves
+    only layers that have them), or None (any layer). min_rows: offered for calls of at
+    least this many rows. error_bound: its own relative error bound (None: the mode's).
     """
 
     name: str
@@ -123,6 +192,17 @@ class LinearPath:
     quantizes_activations: bool
     bind: Callable[[LayerWeights], Callable[[torch.Tensor], torch.Tensor]]
     problem: Callable[[], str | None]
+    native: str | None = None
+    min_rows: int = 1
+    error_bound: float | None = None
+
+    def accepts(self, lw: LayerWeights) -> bool:
+        """Whether this path can serve the layer: a native path needs its blocks."""
+        return self.native is None or lw.native_fmt == self.native
+
+    def bound(self, mode: str) -> float:
+        """The relative error bound the path must meet in `mode`."""
+        return self.error_bound if self.error_bound is not None else ERROR_BOUNDS[mode]
 
     @property
     def numerics(self) -> str:
@@ -150,18 +230,24 @@ def _dequant_problem() -> str | None:
     return None if _dequant_isa() else "no C++ build of the quantized linear kernel runs here"
 
 
+_PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
+           "q4_1": "packed_native", "q8_0": "packed_native"}
+_NATIVE = ("q4_1", "q8_0")
+
+
 def _cpp(fmt: str, isa: str) -> LinearPath:
-    attr = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4"}[fmt]
-    mode = "none" if fmt == "f32" else fmt
+    attr = _PACKED[fmt]
+    mode = {"f32": "none", "q4_1": "auto", "q8_0": "auto"}.get(fmt, fmt)
     return LinearPath(f"cpp-{fmt}-{isa}", mode, True, False,
-                      lambda lw: CppLinear(getattr(lw, attr), isa), _isa_problem(isa))
+                      lambda lw: CppLinear(getattr(lw, attr), isa), _isa_problem(isa),
+                      native=fmt if fmt in _NATIVE else None)
 
 
 def _dequant(fmt: str) -> LinearPath:
-    attr = {"int8": "packed_int8", "int4": "packed_int4"}[fmt]
-    return LinearPath(f"{fmt}-dequant-mm", fmt, False, False,
+    attr = _PACKED[fmt]
+    return LinearPath(f"{fmt}-dequant-mm", "auto" if fmt in _NATIVE else fmt, False, False,
                       lambda lw: DequantLinear(getattr(lw, attr), _dequant_isa() or "avx2"),
-                      _dequant_problem)
+                      _dequant_problem, native=fmt if fmt in _NATIVE else None)
 
 
 PATHS: dict[str, LinearPath] = {p.name: p for p in [
@@ -176,17 +262,26 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("int8"),
     *[_cpp("int4", isa) for isa in qlc.VARIANTS],
     _dequant("int4"),
+    *[_cpp("q4_1", isa) for isa in qlc.VARIANTS],
+    _dequant("q4_1"),
+    *[_cpp("q8_0", isa) for isa in qlc.VARIANTS],
+    _dequant("q8_0"),
+    LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
+               lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND),
 ]}
 """Every path, in order of preference when two measure the same."""
 
 
 def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
-    """The paths that may serve a layer in `mode` ("none", "int8", "int4").
+    """The paths that may serve a layer in `mode` ("none", "int8", "int4", "auto").
 
     int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
-    than fp32. batch_invariant: only row-invariant paths of one numerics (our C++
-    kernels of the mode's format, fp32 for "none"), so that a row's output is the same
-    bits whatever else shares the step.
+    than fp32. auto: every weight-only path over the checkpoint's own weights (``fp32``,
+    ``cpp-f32-*``, the native q4_1 / q8_0 paths; each layer takes those that accept it)
+    and bf16; never an activation-quantizing one. int8 and int4 offer bf16 too; none never.
+    batch_invariant: only row-invariant paths of one numerics per layer (our C++ kernels of
+    the mode's format, fp32 for "none"; in auto the layer's native format, else f32), so
+    that a row's output is the same bits whatever else shares the step.
 
     ``$CONVEYOR_LINEAR_PATHS`` (a comma list of path names), when set, keeps only those
     (e.g. ``fp32,cpp-int8-avx2`` to see what an AVX2-only CPU's kernels give here).
@@ -206,17 +301,35 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
 def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
     if batch_invariant:
+        if mode == "auto":  # the layer's native format first (choice keeps one numerics)
+            return [p for p in PATHS.values() if p.native is not None and p.row_invariant] + \
+                [p for p in PATHS.values() if p.name.startswith("cpp-f32-")]
         fmt = "f32" if mode == "none" else mode
         return [p for p in PATHS.values() if p.name.startswith(f"cpp-{fmt}-")]
     if mode == "none":
         return [PATHS["fp32"]]
+    if mode == "auto":
+        return [p for p in PATHS.values() if p.mode in ("none", "auto")]
     if mode == "int8":
-        return [PATHS["fp32"]] + [p for p in PATHS.values() if p.mode == "int8"]
-    return [p for p in PATHS.values() if p.mode == "int4"]
+        return [PATHS["fp32"]] + [p for p in PATHS.values() if p.mode == "int8"] + [PATHS["bf16"]]
+    return [p for p in PATHS.values() if p.mode == "int4"] + [PATHS["bf16"]]
+
+
+def bf16_hardware() -> str | None:
+    """What computes bf16 matmuls in hardware here: "AMX" (amx_bf16: Intel Sapphire Rapids
+    on), "AVX512-BF16" (avx512_bf16: Intel Cooper Lake, AMD Zen 4 on), or None (torch
+    emulates bf16 in fp32: AVX2-only and plain AVX-512 CPUs)."""
+    from kernels.cpu_build import cpu_flags
+
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "AMX"
+    return "AVX512-BF16" if "avx512_bf16" in flags else None
 
 
 def machine_note() -> str:
-    """One line on what decides the int8 paths here (VNNI, C++ builds)."""
+    """One line on what decides the paths here (VNNI, bf16 hardware, C++ builds)."""
     isas = qlc.available_isas()
     return (f"VNNI {'yes' if cpu_has_vnni() else 'no (fbgemm uses 7-bit activations)'}; "
+            f"bf16 {bf16_hardware() or 'emulated (no AMX / AVX512-BF16)'}; "
             f"C++ builds: {', '.join(isas) if isas else 'none'}")

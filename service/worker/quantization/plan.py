@@ -3,13 +3,19 @@ that dispatches a call to its row bucket's path."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import quant_linear_cpu as qlc
 from service.worker.quantization.linear import Linear
 from service.worker.quantization.paths import INT4_GROUP, PATHS, LayerWeights
+
+if TYPE_CHECKING:
+    from service.worker.gguf_weights import BlockWeight
 
 BUCKETS = (1, 16, 64, 512)
 """Row counts the paths are timed at; a call uses the nearest on a log scale."""
@@ -31,6 +37,18 @@ def bucket_rows(index: int) -> str:
     """The row counts bucket `index` serves, e.g. "1-3", "4-31", "181+"."""
     lo = ((1,) + _EDGES)[index]
     return f"{lo}-{_EDGES[index] - 1}" if index < len(_EDGES) else f"{lo}+"
+
+
+def substitute(name: str, lw: LayerWeights, batch_invariant: bool) -> str:
+    """A path for a layer that the chosen path `name` cannot serve (it runs another native
+    format than the layer has): our kernel of the layer's own format on the same build
+    (``cpp-q8_0-avx2`` for ``cpp-q4_1-avx2``), else ``cpp-f32`` on that build when batch
+    invariant or the chosen path is row-invariant, else ``fp32``."""
+    isa = name.rsplit("-", 1)[-1] if name.startswith("cpp-") else \
+        (qlc.available_isas() or ("avx2",))[0]
+    if lw.native_fmt is not None and f"cpp-{lw.native_fmt}-{isa}" in PATHS:
+        return f"cpp-{lw.native_fmt}-{isa}"
+    return f"cpp-f32-{isa}" if batch_invariant or PATHS[name].row_invariant else "fp32"
 
 
 class DispatchLinear:
@@ -68,6 +86,9 @@ class LinearPlan:
     errors: class -> path -> relative error vs fp32 in one-row calls and in 8-row calls
         (``choice.relative_errors``).
     unavailable: path -> why it cannot run here.
+    natives: (layer index or None for the LM head, class) -> the checkpoint's own blocks of
+        that layer (auto on a GGUF file), used by ``make_linear``; emptied once the model's
+        layers are made (``without_natives``).
     """
 
     mode: str
@@ -77,15 +98,27 @@ class LinearPlan:
     errors: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
     unavailable: Mapping[str, str] = field(default_factory=dict)
     int4_group: int | None = None
+    natives: Mapping[tuple[int | None, str], BlockWeight] = field(default_factory=dict)
 
-    def make_linear(self, cls: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """The Linear for one layer of class `cls` ([N, K] float32 weight, [N] bias or None):
-        the chosen path itself when every bucket shares it, else a DispatchLinear. Paths
-        over the same packed form share it (e.g. the C++ int8 kernel and int8-dequant-mm).
+    def without_natives(self) -> LinearPlan:
+        """The plan without its natives (their unpacked values are not kept once packed)."""
+        return dataclasses.replace(self, natives={})
+
+    def make_linear(self, cls: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                    layer: int | None = None) -> Linear:
+        """The Linear for one layer of class `cls` ([N, K] float32 weight, [N] bias or None;
+        layer: its decoder layer index, None for the LM head, which finds its native blocks
+        in ``natives``): the chosen path itself when
+        every bucket shares it, else a DispatchLinear. Paths over the same packed form share
+        it (e.g. the C++ int8 kernel and int8-dequant-mm). A layer whose native format is
+        not its class's (a GGUF file mixing block types), so that a chosen path cannot serve
+        it, gets ``substitute``'s path for that bucket.
 
         Raises KeyError for a class the plan does not cover."""
-        names = self.choices[cls]
-        lw = LayerWeights(weight, bias, self.int4_group or INT4_GROUP)
+        lw = LayerWeights(weight, bias, self.int4_group or INT4_GROUP,
+                          self.natives.get((layer, cls)))
+        names = tuple(n if PATHS[n].accepts(lw) else substitute(n, lw, self.batch_invariant)
+                      for n in self.choices[cls])
         bound: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         for name in names:
             if name not in bound:

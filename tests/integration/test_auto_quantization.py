@@ -1,0 +1,75 @@
+"""--quantization auto (the default) on the real model: the default GGUF's own blocks (Q4_1
+layers, a Q8_0 LM head / embedding) served as they are, equal to transformers' dequantized
+fp32 weights bit for bit per layer, and the model's answers the fp32 oracle's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import quant_linear_cpu as qlc
+from kernels.quant_pack import unpack
+from service.bench.int8_accuracy import all_logits, greedy, make_runner
+from service.worker.gguf_weights import read_linear_weights
+from service.worker.loader import default_model_path
+from service.worker.quantization.plan import DispatchLinear
+from tests.integration.test_int8 import PROMPTS, TEXT
+
+pytestmark = pytest.mark.skipif(not qlc.available_isas(), reason="needs our C++ kernels")
+
+
+def _hf_weight(weights: dict, layer: int | None, cls: str) -> torch.Tensor:
+    if layer is None:
+        return weights["lm_head.weight"]
+    p = f"model.layers.{layer}."
+    names = {"qkv": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+             "o": [p + "self_attn.o_proj.weight"],
+             "gate_up": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+             "down": [p + "mlp.down_proj.weight"]}[cls]
+    return torch.cat([weights[n] for n in names])
+
+
+def test_default_gguf_blocks_are_transformers_weights_bit_for_bit(loaded_model) -> None:
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(default_model_path()).tensors}
+    assert types["token_embd.weight"] == "Q8_0" and "output.weight" not in types  # tied head
+    assert {types[f"blk.{i}.{n}.weight"] for i in range(30)
+            for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                      "ffn_down")} == {"Q4_1"}
+    cfg = loaded_model.hf_config
+    got = read_linear_weights(default_model_path(), cfg.num_hidden_layers,
+                              cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert len(got.native) == 4 * cfg.num_hidden_layers + 1 and not got.dequantized
+    isa = qlc.available_isas()[0]
+    for (layer, cls), blocks in got.native.items():
+        assert blocks.fmt == ("q8_0" if cls == "lm_head" else "q4_1")
+        packed = blocks.pack()
+        want = _hf_weight(loaded_model.weights, layer, cls)
+        assert torch.equal(unpack(packed), want), (layer, cls)
+        assert torch.equal(qlc.dequantize(packed, isa), want), (layer, cls)
+
+
+@pytest.fixture(scope="module")
+def runners(loaded_model):
+    return make_runner(loaded_model, None, 256), make_runner(loaded_model, "auto", 256)
+
+
+def test_auto_serves_the_files_formats_and_the_oracles_answers(runners, tokenizer) -> None:
+    fp32, auto = runners
+    plan = auto.linear_plan
+    assert auto.model.quantization == "auto" and plan is not None and plan.natives == {}
+    for lin, fmt in [(l.gate_up, "q4_1") for l in auto.model.layers] + \
+            [(auto.model.lm_head, "q8_0")]:
+        one_row = lin.fns[0] if isinstance(lin, DispatchLinear) else lin
+        # decode reads the file's own blocks (unless fp32 of the same weights measured faster)
+        assert getattr(getattr(one_row, "packed", None), "fmt", fmt) in (fmt, "f32")
+    a, b = all_logits(fp32, tokenizer.encode(TEXT)), all_logits(auto, tokenizer.encode(TEXT))
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    # the same weights: summation order only (bf16, if chosen here, stays within its bound)
+    assert float(cosine.min()) > 0.999 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95
+    if not any(n == "bf16" for names in plan.choices.values() for n in names):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)  # summation order only
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    same = sum(x == y for x, y in zip(greedy(fp32, prompts, 8), greedy(auto, prompts, 8)))
+    assert same >= len(prompts) - 1
