@@ -40,7 +40,8 @@ from service.bench.load_sweep import (DEFAULT_LOAD_SLO, SweepPoint, arrival_rate
 from service.bench.metrics import Slo
 from service.bench.peers import PEER_NOTES, PEERS, load_hf_model, run_peer
 from service.bench.plan import LoadPlan, auto_connections
-from service.bench.report import document, format_comparison, format_run, comparison, write_json
+from service.bench.report import (comparison, document, format_comparison, format_run,
+                                  run_failure, write_json)
 from service.bench.run_result import RunResult
 from service.bench.runner import run_server
 from service.bench.server_process import ServerProcess
@@ -182,6 +183,9 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     table = comparison(runs)
     if table is not None:
         print(format_comparison(table), flush=True)
+    for run in runs:
+        if run_failure(run):
+            _say(f"{run.label} FAILED: {run_failure(run)}")
     if bound is not None:
         print(f"flat-step bound (an ideal machine where a step costs the same at any batch "
               f"size, prefill free): continuous batching needs {bound['continuous_steps']} "
