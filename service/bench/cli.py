@@ -4,6 +4,7 @@
     scripts/bench --url ws://127.0.0.1:8765/v1/stream --workload shared-prefix
     scripts/bench --compare enable_prefix_caching=true,false --workload shared-prefix
     scripts/bench --max-num-seqs 8 --peer hf-static --peer hf-continuous --scale 0.25
+    scripts/bench --workload one-user --peer llama-server   # one request at a time
     scripts/bench --engine-only --quantization none,int8     # no socket: ms per step
 
 `--engine-only` (first argument or anywhere) hands the remaining arguments to the
@@ -46,7 +47,7 @@ from service.bench.run_result import RunResult
 from service.bench.runner import run_server
 from service.bench.server_process import ServerProcess
 from service.bench.tokenizer import load_tokenizer
-from service.bench.workloads import build_workload
+from service.bench.workloads import build_workload, default_max_concurrency
 from service.worker.cpu_threads import default_num_threads
 
 LLAMA_FLAGS = ("llama_server_bin", "llama_server_url", "llama_server_model", "llama_server_args")
@@ -160,8 +161,11 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     specs = build_workload(a.workload, tokenizer, num_requests=a.num_requests, seed=a.seed,
                            scale=a.scale)
     arrivals = arrival_times(len(specs), a.request_rate, a.burstiness, a.seed)
-    connections = a.connections or auto_connections(len(specs), a.max_concurrency)
-    plan = LoadPlan(tuple(specs), tuple(arrivals), max_concurrency=a.max_concurrency,
+    concurrency = a.max_concurrency  # unset: the workload's own, e.g. one-user's 1
+    if concurrency is None:
+        concurrency = default_max_concurrency(a.workload)
+    connections = a.connections or auto_connections(len(specs), concurrency)
+    plan = LoadPlan(tuple(specs), tuple(arrivals), max_concurrency=concurrency,
                     connections=connections, temperature=a.temperature, seed=a.seed,
                     ignore_eos=a.ignore_eos, timeout_s=a.timeout, warmup=a.warmup)
     config = _config(a, plan, compare)

@@ -254,3 +254,32 @@ def test_a_peer_that_dies_at_the_warm_up_or_while_starting_measures_nothing(tmp_
                                   "starting (log: ")
     assert run.target["signal"] == "SIGILL" and run.metrics.failed == 2
 
+
+def test_one_user_runs_one_request_at_a_time_and_a_dead_peer_fails_the_bench(
+        tmp_path, capsys, monkeypatch, bench_tokenizer) -> None:
+    import service.bench.cli as cli
+    from service.bench.cli import main
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: bench_tokenizer)  # loaded once
+
+    model = _tiny_q4_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "one-user.json"
+    argv = ["--workload", "one-user", "--num-requests", "3", "--scale", "0.05", "--no-server",
+            "--peer", "llama-server", "--llama-server-model", str(model), "--no-progress"]
+    assert main([*argv, "--llama-server-bin", str(_fake_binary(tmp_path / "ok")),
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["workload"] == "one-user" and doc["config"]["max_concurrency"] == 1
+    (run,) = doc["runs"]
+    assert run["target"]["n_parallel"] == 1 and run["failure"] is None
+    assert run["metrics"]["completed"] == 3
+    spans = sorted((r["sent_s"], r["done_s"]) for r in run["requests"])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # never two at once
+    capsys.readouterr()
+    dead = _fake_binary(tmp_path / "dead", "FAKE_LLAMA_DIE_AFTER=2 ")
+    assert main([*argv, "--llama-server-bin", str(dead), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "llama-server FAILED: llama-server died mid-run: killed by signal SIGILL" in err
+    doc = json.loads(out.read_text())
+    assert doc["runs"][0]["failure"].startswith("llama-server died mid-run")
+    assert doc["runs"][0]["target"]["signal"] == "SIGILL"
