@@ -45,7 +45,7 @@ from service.bench.report import (comparison, document, format_comparison, forma
                                   run_failure, write_json)
 from service.bench.run_result import RunResult
 from service.bench.runner import run_server
-from service.bench.server_process import ServerProcess
+from service.bench.server_process import ServerProcess, exit_text, signal_name
 from service.bench.tokenizer import load_tokenizer
 from service.bench.workloads import build_workload, default_max_concurrency
 from service.worker.cpu_threads import default_num_threads
@@ -239,13 +239,21 @@ def _server_runs(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec | N
 
 def _server_run(a: argparse.Namespace, label: str, args: list[str], plan: LoadPlan,
                 slo: Slo | None) -> RunResult:
-    """One fresh `conveyor serve` with `args`, the plan run against it, then stopped."""
+    """One fresh `conveyor serve` with `args`, the plan run against it, then stopped; a
+    server that exited during the run makes it FAILED, its exit code and signal named."""
     _say(f"starting conveyor serve {shlex.join(args)} ...")
     with ServerProcess(args, start_timeout_s=a.server_start_timeout) as server:
         records = _run_async(run_server(server.url, plan, progress=not a.no_progress,
                                         desc=label))
+        rc = server.exited(wait_s=0.0 if all(r.ok for r in records) else 2.0)
         target = {"serve_args": args, "url": server.url, "server_log": server.log_path}
-    return _finish(RunResult(label, "conveyor", records, target), slo)
+    failure = None
+    if rc is not None:
+        target.update(exit_code=rc, signal=signal_name(rc))
+        failure = (f"conveyor serve died mid-run: {exit_text(rc)}, after "
+                   f"{sum(r.ok for r in records)} of {len(records)} requests completed "
+                   f"(log: {server.log_path})")
+    return _finish(RunResult(label, "conveyor", records, target, failure=failure), slo)
 
 
 def _load_sweep(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec, slo: Slo,
