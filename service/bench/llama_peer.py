@@ -22,6 +22,7 @@ tables mark its column FAILED.
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +109,8 @@ def run_llama_peer(plan: LoadPlan, opts: LlamaPeerOptions, *, max_num_seqs: int,
     try:
         server.start()
     except RuntimeError as e:  # exited or never healthy; the message carries the log's tail
-        target.update(exit_code=server.exited(), signal=signal_name(server.exited()))
+        rc = server.exited()
+        target.update(exit_code=rc, signal=signal_name(rc))
         server.close()
         reason = str(e).split("\n")[0].rstrip(":")
         return RunResult("llama-server", "llama-server", failed_records(plan, reason), target,
@@ -164,8 +166,6 @@ def _built_version(binary: Path) -> str | None:
 
 def _build_info(binary: Path) -> dict | None:
     """What scripts/build_llama_server kept (BUILD.json beside the binary), if it wrote it."""
-    import json
-
     info = binary.parent / "BUILD.json"
     try:
         return json.loads(info.read_text()) if info.is_file() else None
