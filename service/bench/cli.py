@@ -4,6 +4,7 @@
     scripts/bench --url ws://127.0.0.1:8765/v1/stream --workload shared-prefix
     scripts/bench --compare enable_prefix_caching=true,false --workload shared-prefix
     scripts/bench --max-num-seqs 8 --peer hf-static --peer hf-continuous --scale 0.25
+    scripts/bench --workload one-user --peer llama-server   # one request at a time
     scripts/bench --engine-only --quantization none,int8     # no socket: ms per step
 
 `--engine-only` (first argument or anywhere) hands the remaining arguments to the
@@ -40,12 +41,13 @@ from service.bench.load_sweep import (DEFAULT_LOAD_SLO, SweepPoint, arrival_rate
 from service.bench.metrics import Slo
 from service.bench.peers import PEER_NOTES, PEERS, load_hf_model, run_peer
 from service.bench.plan import LoadPlan, auto_connections
-from service.bench.report import document, format_comparison, format_run, comparison, write_json
+from service.bench.report import (comparison, document, format_comparison, format_run,
+                                  run_failure, write_json)
 from service.bench.run_result import RunResult
 from service.bench.runner import run_server
-from service.bench.server_process import ServerProcess
+from service.bench.server_process import ServerProcess, exit_text, signal_name
 from service.bench.tokenizer import load_tokenizer
-from service.bench.workloads import build_workload
+from service.bench.workloads import build_workload, default_max_concurrency
 from service.worker.cpu_threads import default_num_threads
 
 LLAMA_FLAGS = ("llama_server_bin", "llama_server_url", "llama_server_model", "llama_server_args")
@@ -159,8 +161,11 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     specs = build_workload(a.workload, tokenizer, num_requests=a.num_requests, seed=a.seed,
                            scale=a.scale)
     arrivals = arrival_times(len(specs), a.request_rate, a.burstiness, a.seed)
-    connections = a.connections or auto_connections(len(specs), a.max_concurrency)
-    plan = LoadPlan(tuple(specs), tuple(arrivals), max_concurrency=a.max_concurrency,
+    concurrency = a.max_concurrency  # unset: the workload's own, e.g. one-user's 1
+    if concurrency is None:
+        concurrency = default_max_concurrency(a.workload)
+    connections = a.connections or auto_connections(len(specs), concurrency)
+    plan = LoadPlan(tuple(specs), tuple(arrivals), max_concurrency=concurrency,
                     connections=connections, temperature=a.temperature, seed=a.seed,
                     ignore_eos=a.ignore_eos, timeout_s=a.timeout, warmup=a.warmup)
     config = _config(a, plan, compare)
@@ -182,6 +187,9 @@ def _bench(a: argparse.Namespace, argv: list[str]) -> int:
     table = comparison(runs)
     if table is not None:
         print(format_comparison(table), flush=True)
+    for run in runs:
+        if run_failure(run):
+            _say(f"{run.label} FAILED: {run_failure(run)}")
     if bound is not None:
         print(f"flat-step bound (an ideal machine where a step costs the same at any batch "
               f"size, prefill free): continuous batching needs {bound['continuous_steps']} "
@@ -231,13 +239,21 @@ def _server_runs(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec | N
 
 def _server_run(a: argparse.Namespace, label: str, args: list[str], plan: LoadPlan,
                 slo: Slo | None) -> RunResult:
-    """One fresh `conveyor serve` with `args`, the plan run against it, then stopped."""
+    """One fresh `conveyor serve` with `args`, the plan run against it, then stopped; a
+    server that exited during the run makes it FAILED, its exit code and signal named."""
     _say(f"starting conveyor serve {shlex.join(args)} ...")
     with ServerProcess(args, start_timeout_s=a.server_start_timeout) as server:
         records = _run_async(run_server(server.url, plan, progress=not a.no_progress,
                                         desc=label))
+        rc = server.exited(wait_s=0.0 if all(r.ok for r in records) else 2.0)
         target = {"serve_args": args, "url": server.url, "server_log": server.log_path}
-    return _finish(RunResult(label, "conveyor", records, target), slo)
+    failure = None
+    if rc is not None:
+        target.update(exit_code=rc, signal=signal_name(rc))
+        failure = (f"conveyor serve died mid-run: {exit_text(rc)}, after "
+                   f"{sum(r.ok for r in records)} of {len(records)} requests completed "
+                   f"(log: {server.log_path})")
+    return _finish(RunResult(label, "conveyor", records, target, failure=failure), slo)
 
 
 def _load_sweep(a: argparse.Namespace, plan: LoadPlan, compare: CompareSpec, slo: Slo,

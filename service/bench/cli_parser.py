@@ -51,7 +51,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help=f"one of {', '.join(WORKLOADS)}, or a JSONL file of "
                         '{"messages"|"prompt", "max_tokens"}')
     w.add_argument("--num-requests", type=int, default=None, metavar="N",
-                   help="requests (None: 32; 10 for seed-exercise; every line of a file)")
+                   help="requests (None: 32; 10 for seed-exercise, 6 for one-user; every "
+                        "line of a file)")
     w.add_argument("--seed", type=int, default=0, help="workload, arrival and sampling seed")
     w.add_argument("--scale", type=float, default=1.0, help="multiply every length (quick runs)")
     w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -69,7 +70,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "Poisson arrivals at each fraction; goodput at --slo (default "
                         "ttft=2000,tpot=200)")
     a.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                   help="most requests in flight (None: no limit)")
+                   help="most requests in flight (None: no limit; 1 for --workload one-user)")
     a.add_argument("--connections", type=int, default=None, metavar="N",
                    help="WebSockets to spread requests over (None: enough for at most 64 "
                         "in flight per socket)")

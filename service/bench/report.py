@@ -8,12 +8,15 @@ JSON document (`SCHEMA` = "conveyor-bench/1"):
      "runs": [{"label", "kind", "target": {...},
                "metrics": {num_requests, completed, failed, duration_s, ...,
                            ttft_ms: {count, mean, median, p90, p99, max}, ...},
+               "failure": null or what went wrong with the target (e.g. it died),
                "requests": [RequestRecord.to_json(), ...]}],
-     "comparison": {"baseline": label, "labels": [...],
+     "comparison": {"baseline": label, "labels": [...], "failures": [null | text, ...],
                     "rows": [{"figure", "values": [...], "ratios": [...]}]} or null}
 
 Ratios are value / baseline value (the first run), None where either is missing or the
-baseline is 0.
+baseline is 0. A run FAILED (`run_failure`) when its target failed or no request of it
+completed: its column says so in the text table, and its figures are None in the
+comparison (not 0) when nothing was measured.
 """
 
 from __future__ import annotations
@@ -39,12 +42,24 @@ FIGURES: tuple[tuple[str, Callable[[Metrics], float | None]], ...] = (
     ("TPOT mean ms", lambda m: m.tpot_ms.mean),
     ("TPOT p99 ms", lambda m: m.tpot_ms.p99),
     ("ITL mean ms", lambda m: m.itl_ms.mean),
+    ("ITL median ms", lambda m: m.itl_ms.median),
     ("ITL p99 ms", lambda m: m.itl_ms.p99),
     ("E2E mean ms", lambda m: m.e2e_ms.mean),
     ("E2E p99 ms", lambda m: m.e2e_ms.p99),
     ("short E2E mean ms", lambda m: m.short_e2e_ms.mean),
     ("failed", lambda m: float(m.failed)),
 )
+
+
+def run_failure(run: RunResult) -> str | None:
+    """Why `run` (computed) FAILED, or None: its target failed, or no request completed."""
+    if run.failure:
+        return run.failure
+    m = run.metrics
+    if m is not None and m.completed == 0:
+        first = next((r.error for r in run.records if r.error), None)
+        return "no request completed" + (f" (first error: {first})" if first else "")
+    return None
 
 
 def _num(x: float | None, width: int = 10) -> str:
@@ -83,6 +98,9 @@ def format_run(run: RunResult, slo: Slo | None = None) -> str:
                     ("engine TTFT", m.engine_ttft_ms), ("TTFT gap client-engine", m.ttft_gap_ms)):
         if s.count:
             lines.append(_summary_row(name, s))
+    failure = run_failure(run)
+    if failure:
+        lines.insert(1, f"  FAILED: {failure}")
     errors = [r for r in run.records if not r.ok]
     for r in errors[:5]:
         lines.append(f"  FAILED {r.request_id}: {r.error or 'no done'}")
@@ -99,27 +117,35 @@ def comparison(runs: Sequence[RunResult]) -> dict[str, object] | None:
     assert all(m is not None for m in metrics), "RunResult.compute() first"
     rows = []
     for name, get in FIGURES:
-        values = [get(m) for m in metrics]  # type: ignore[arg-type]
+        # a run that completed nothing measured nothing: None, not a throughput of 0
+        values = [float(m.failed) if name == "failed" else None if m.completed == 0 else get(m)
+                  for m in metrics]  # type: ignore[union-attr]
         base = values[0]
         ratios = [None if v is None or not base else v / base for v in values]
         rows.append({"figure": name, "values": values, "ratios": ratios})
-    return {"baseline": runs[0].label, "labels": [r.label for r in runs], "rows": rows}
+    return {"baseline": runs[0].label, "labels": [r.label for r in runs],
+            "failures": [run_failure(r) for r in runs], "rows": rows}
 
 
 def format_comparison(table: dict[str, object]) -> str:
     """The comparison as text: one row per figure, 'value (x ratio)' per run."""
     labels: list[str] = table["labels"]  # type: ignore[assignment]
-    width = max(18, *(len(label) + 2 for label in labels))
+    failures = table.get("failures") or [None] * len(labels)
+    heads = [label + (" FAILED" if failed else "") for label, failed in zip(labels, failures)]
+    width = max(18, *(len(head) + 2 for head in heads))
     lines = [f"== comparison (ratios to {table['baseline']}) ==",
-             f"  {'figure':<16}" + "".join(label.rjust(width) for label in labels)]
+             f"  {'figure':<16}" + "".join(head.rjust(width) for head in heads)]
     for row in table["rows"]:  # type: ignore[attr-defined]
         cells = []
-        for v, ratio in zip(row["values"], row["ratios"]):
-            text = "-" if v is None else f"{v:.1f}"
+        for v, ratio, failed in zip(row["values"], row["ratios"], failures):
+            text = ("FAILED" if failed else "-") if v is None else f"{v:.1f}"
             if ratio is not None:
                 text += f" (x{ratio:.2f})"
             cells.append(text.rjust(width))
         lines.append(f"  {row['figure']:<16}" + "".join(cells))
+    for label, failed in zip(labels, failures):
+        if failed:
+            lines.append(f"  {label} FAILED: {failed}")
     return "\n".join(lines)
 
 

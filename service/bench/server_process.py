@@ -25,6 +25,23 @@ from typing import Self
 HOST = "127.0.0.1"
 
 
+def signal_name(returncode: int | None) -> str | None:
+    """The signal that killed a process (a negative return code), e.g. -4 -> "SIGILL"."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def exit_text(returncode: int) -> str:
+    """How a process ended, for people. E.g. -4 -> "killed by signal SIGILL (exit code -4)",
+    3 -> "exit code 3"."""
+    sig = signal_name(returncode)
+    return f"killed by signal {sig} (exit code {returncode})" if sig else f"exit code {returncode}"
+
+
 def free_port(host: str = HOST) -> int:
     """A TCP port that was free a moment ago (another process could still take it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -78,8 +95,11 @@ class HealthCheckedProcess:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} while "
-                                   f"starting:\n{self.log_tail()}")
+                rc = self.proc.returncode
+                sig = signal_name(rc)
+                raise RuntimeError(f"{self.name} exited with code {rc}"
+                                   f"{f' (killed by {sig})' if sig else ''} while starting:\n"
+                                   f"{self.log_tail()}")
             if self._healthy():
                 return self
             time.sleep(self.poll_s)
@@ -93,6 +113,16 @@ class HealthCheckedProcess:
                 return resp.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False
+
+    def exited(self, wait_s: float = 0.0) -> int | None:
+        """The return code if the process has ended (waiting up to wait_s for it), else None.
+        A process that crashed while serving may take a moment to be reaped."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(wait_s) if wait_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_tail(self, lines: int = 30) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

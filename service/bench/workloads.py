@@ -10,6 +10,9 @@ Lengths are in model tokens, before `scale` (each length becomes max(1, round(le
                    each (chat template applied), outputs 128
     seed-exercise  inputs 128; outputs 100, except every fifth request 1000 (8 + 2 for the
                    default 10 requests), in a seeded random order
+    one-user       medium's lengths, 6 requests by default, sent one at a time: the bench
+                   runs it at --max-concurrency 1 unless told otherwise
+                   (DEFAULT_MAX_CONCURRENCY), the chat front end with a single user
     PATH.jsonl     one request per line: {"messages": [{"role", "content"}, ...] | "prompt":
                    str, "max_tokens": int}; lines in file order (the seed plays no part)
 
@@ -29,10 +32,18 @@ from pathlib import Path
 from service.bench.prompts import PromptSource, chat_token_ids
 from service.bench.request_spec import RequestSpec
 
-WORKLOADS = ("uniform", "medium", "extreme", "shared-prefix", "seed-exercise")
+WORKLOADS = ("uniform", "medium", "extreme", "shared-prefix", "seed-exercise", "one-user")
 DEFAULT_NUM_REQUESTS = {"uniform": 32, "medium": 32, "extreme": 32, "shared-prefix": 32,
-                        "seed-exercise": 10}
+                        "seed-exercise": 10, "one-user": 6}
+# the concurrency a workload is about, when --max-concurrency is not given (None: no limit)
+DEFAULT_MAX_CONCURRENCY = {"one-user": 1}
 SHARED_PREFIX_TOKENS = 400
+
+
+def default_max_concurrency(name: str) -> int | None:
+    """Requests in flight at once that workload `name` is meant for, e.g. "one-user" -> 1;
+    None (no limit) for the others and for JSONL files."""
+    return DEFAULT_MAX_CONCURRENCY.get(name)
 
 
 def scaled(length: int, scale: float) -> int:
@@ -96,6 +107,7 @@ def _seed_exercise(rng: random.Random, n: int) -> list[tuple[int, int]]:
 
 _LENGTHS: dict[str, Callable[[random.Random, int], list[tuple[int, int]]]] = {
     "uniform": _uniform, "medium": _medium, "extreme": _extreme, "seed-exercise": _seed_exercise,
+    "one-user": _medium,
 }
 
 

@@ -18,13 +18,17 @@ Faults, chosen by the request's first prompt token id (tests pick them per reque
 
 Run as a script it is a stand-in binary: `python fake_llama_server.py -m MODEL --host H
 --port P -np N -c C -t T -tb T [...]`, which also writes its argv as JSON to
-$FAKE_LLAMA_ARGV_OUT when set.
+$FAKE_LLAMA_ARGV_OUT when set. With $FAKE_LLAMA_DIE_AFTER=N it kills itself with SIGILL
+at its (N+1)-th POST (0: at the first, the warm-up), as a build for another CPU does;
+with $FAKE_LLAMA_MUTE=1 it is healthy but never answers a POST.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import sys
 import threading
 import time
@@ -42,6 +46,8 @@ class FakeLlamaServer(ThreadingHTTPServer):
         self.token_delay_s = token_delay_s
         self.bodies: list[dict] = []
         self.lock = threading.Lock()
+        self.die_after: int | None = None  # POSTs served before SIGILL (None: never)
+        self.mute = False                  # never answer a POST
 
     @property
     def base_url(self) -> str:
@@ -78,6 +84,13 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.bodies.append(body)
+            if self.server.die_after is not None and len(self.server.bodies) > self.server.die_after:
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+                os.kill(os.getpid(), signal.SIGILL)  # an illegal instruction, as on a wrong CPU
+                time.sleep(60)  # answer nothing while the signal is delivered
+        if self.server.mute:
+            time.sleep(3600)
+            return
         if self.path != "/v1/completions":
             return self._json(404, {"error": {"code": 404, "message": "File Not Found"}})
         prompt, n = body["prompt"], body.get("max_tokens", 16)
@@ -137,6 +150,9 @@ def _main(argv: list[str]) -> None:
             json.dump(argv, f)
     port = int(argv[argv.index("--port") + 1])
     server = FakeLlamaServer(argv[argv.index("--host") + 1], port, loading_s=0.5)
+    if os.environ.get("FAKE_LLAMA_DIE_AFTER"):
+        server.die_after = int(os.environ["FAKE_LLAMA_DIE_AFTER"])
+    server.mute = os.environ.get("FAKE_LLAMA_MUTE") == "1"
     server.serve_forever()
 
 

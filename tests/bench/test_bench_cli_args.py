@@ -119,3 +119,35 @@ def test_batching_bound_only_for_batching_compare_with_all_at_once_arrivals():
     wider = build_parser().parse_args(["--max-num-seqs", "1", "--server-args",
                                        "--max-num-seqs 2"])
     assert _batching_bound(wider, plan, batching)["static_steps"] == 5
+
+
+def test_a_conveyor_server_that_dies_mid_run_makes_its_run_failed(monkeypatch, capsys):
+    import service.bench.cli as cli
+    from service.bench.record import RequestRecord
+
+    class DeadServer:  # stands in for ServerProcess: killed by SIGKILL during the run
+        url, log_path = "ws://127.0.0.1:1/v1/stream", "/tmp/server.log"
+
+        def __init__(self, args, start_timeout_s):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def exited(self, wait_s=0.0):
+            return -9
+
+    async def run_server(url, plan, progress, desc):
+        return [RequestRecord(0, "b0", 3, 4, 0.0, sent_s=0.0, error="connection closed")]
+
+    monkeypatch.setattr(cli, "ServerProcess", DeadServer)
+    monkeypatch.setattr(cli, "run_server", run_server)
+    plan = LoadPlan((SPEC,), (0.0,))
+    run = cli._server_run(build_parser().parse_args([]), "conveyor", [], plan, None)
+    assert run.failure == ("conveyor serve died mid-run: killed by signal SIGKILL (exit code "
+                           "-9), after 0 of 1 requests completed (log: /tmp/server.log)")
+    assert run.target["signal"] == "SIGKILL" and run.target["exit_code"] == -9
+    assert "FAILED: conveyor serve died mid-run" in capsys.readouterr().out

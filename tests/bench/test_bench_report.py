@@ -10,7 +10,7 @@ from service.bench.metrics import Slo
 from service.bench.plots import safe_name, write_plots
 from service.bench.record import RequestRecord
 from service.bench.report import (FIGURES, SCHEMA, comparison, document, format_comparison,
-                                  format_run, write_json)
+                                  format_run, run_failure, write_json)
 from service.bench.run_result import RunResult
 
 SUMMARY_KEYS = {"count", "mean", "median", "p90", "p99", "max"}
@@ -48,7 +48,8 @@ def test_document_schema():
     assert set(doc) == {"schema", "created", "argv", "config", "runs", "comparison"}
     assert doc["argv"] == ["--compare", "max_num_seqs=4,8"]
     for run in doc["runs"]:
-        assert set(run) == {"label", "kind", "target", "metrics", "requests"}
+        assert set(run) == {"label", "kind", "target", "metrics", "failure", "requests"}
+        assert run["failure"] is None
         m = run["metrics"]
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "engine_queue_ms", "engine_ttft_ms",
                     "ttft_gap_ms"):
@@ -60,7 +61,7 @@ def test_document_schema():
             assert set(rec) == RECORD_KEYS
         assert [r["ok"] for r in run["requests"]] == [True, True, True, False]
     table = doc["comparison"]
-    assert table["baseline"] == "max_num_seqs=4"
+    assert table["baseline"] == "max_num_seqs=4" and table["failures"] == [None, None]
     assert [row["figure"] for row in table["rows"]] == [name for name, _ in FIGURES]
     ttft = next(row for row in table["rows"] if row["figure"] == "TTFT mean ms")
     assert ttft["values"] == pytest.approx([100.0, 200.0])
@@ -87,6 +88,31 @@ def test_text_tables():
     assert table is not None and comparison([a]) is None
     text = format_comparison(table)
     assert "ratios to conveyor" in text and "(x3.00)" in text and "hf-static" in text
+
+
+def test_a_failed_run_is_marked_failed_not_left_empty_or_zero():
+    ok = _run("conveyor", "conveyor", 0.1)
+    dead = _run("llama-server", "llama-server", 0.1)
+    dead.failure = "llama-server died mid-run: killed by signal SIGILL (exit code -4)"
+    nothing = RunResult("hf-static", "hf-static", [
+        RequestRecord(index=0, request_id="b0", input_tokens=8, max_tokens=4, scheduled_s=0.0,
+                      error="HTTP 500: boom")])
+    nothing.compute(None)
+    assert run_failure(ok) is None and run_failure(dead) == dead.failure
+    assert run_failure(nothing) == "no request completed (first error: HTTP 500: boom)"
+    assert "  FAILED: no request completed" in format_run(nothing)
+    table = comparison([ok, dead, nothing])
+    assert table["failures"] == [None, dead.failure, run_failure(nothing)]
+    rows = {row["figure"]: row["values"] for row in table["rows"]}
+    assert rows["output tok/s"][2] is None and rows["ITL median ms"][2] is None
+    assert rows["failed"] == [1.0, 1.0, 1.0]
+    assert rows["ITL median ms"][0] == pytest.approx(100.0)
+    text = format_comparison(table)
+    header = text.splitlines()[1]
+    assert "llama-server FAILED" in header and "hf-static FAILED" in header
+    assert "conveyor FAILED" not in header
+    assert "FAILED" in text.splitlines()[2].split()[-1]  # hf-static's output tok/s cell
+    assert f"llama-server FAILED: {dead.failure}" in text
 
 
 def test_run_result_rejects_bad_input():

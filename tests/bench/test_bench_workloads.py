@@ -34,12 +34,26 @@ def test_uniform_lengths_and_real_text(bench_tokenizer):
 
 
 def test_same_seed_same_requests_other_seed_others(bench_tokenizer):
-    for name in ("uniform", "medium", "extreme", "shared-prefix", "seed-exercise"):
+    for name in ("uniform", "medium", "extreme", "shared-prefix", "seed-exercise", "one-user"):
         a = build_workload(name, bench_tokenizer, seed=7, num_requests=10)
         b = build_workload(name, bench_tokenizer, seed=7, num_requests=10)
         assert a == b, name
     assert (build_workload("medium", bench_tokenizer, seed=1, num_requests=10)
             != build_workload("medium", bench_tokenizer, seed=2, num_requests=10))
+
+
+def test_one_user_is_six_medium_requests_one_at_a_time(bench_tokenizer):
+    from service.bench.workloads import default_max_concurrency
+
+    specs = build_workload("one-user", bench_tokenizer, seed=0)
+    assert len(specs) == 6
+    assert all(100 <= s.input_len <= 500 and 50 <= s.max_tokens <= 200 for s in specs)
+    medium = build_workload("medium", bench_tokenizer, seed=0, num_requests=6)
+    assert [(s.input_len, s.max_tokens) for s in specs] == [
+        (s.input_len, s.max_tokens) for s in medium]  # medium's lengths
+    assert default_max_concurrency("one-user") == 1
+    assert default_max_concurrency("medium") is None
+    assert default_max_concurrency("x.jsonl") is None
 
 
 def test_medium_ranges(bench_tokenizer):

@@ -169,3 +169,117 @@ def test_the_default_gguf_is_q4_and_used_as_it_is(tmp_path) -> None:
     path, kind = q4_model(default_model_path(), None, tmp_path)
     assert kind == "MOSTLY_Q4_1" and str(path) == default_model_path()
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_binary(tmp_path: Path, env: str = "") -> Path:
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text(f"#!/bin/sh\n{env}exec {sys.executable} {FAKE} \"$@\"\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def _tiny_q4_gguf(path: Path) -> Path:
+    """A GGUF whose header says Q4_1 and one 4-float tensor: read in milliseconds (the
+    real file's reader takes seconds), enough for the peer's weight-type check."""
+    import gguf
+    import numpy as np
+
+    if not path.is_file():
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+        w.add_tensor("x", np.zeros(4, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+
+
+def _peer(binary: Path, plan: LoadPlan, tmp_path: Path):
+    from service.bench.llama_peer import run_llama_peer
+
+    model = _tiny_q4_gguf(tmp_path / "tiny.gguf")
+    return run_llama_peer(plan, LlamaPeerOptions(binary=str(binary), model=str(model),
+                                                 start_timeout_s=30),
+                          max_num_seqs=4, progress=False, cache_dir=tmp_path / "models")
+
+
+def test_a_peer_that_dies_mid_run_is_a_failed_run_naming_the_signal(tmp_path) -> None:
+    from service.bench.report import comparison, format_comparison, format_run, run_failure
+
+    # the warm-up and the first request are served, the second POST gets SIGILL
+    binary = _fake_binary(tmp_path, "FAKE_LLAMA_DIE_AFTER=2 ")
+    plan = _plan([100, 101, 102], max_tokens=4, max_concurrency=1, warmup=1)
+    run = _peer(binary, plan, tmp_path)
+    m = run.compute(None)
+    assert (m.completed, m.failed) == (1, 2)
+    assert run.failure.startswith("llama-server died mid-run: killed by signal SIGILL (exit "
+                                  "code -4), after 1 of 3 requests completed (log: ")
+    assert run.target["exit_code"] == -4 and run.target["signal"] == "SIGILL"
+    assert run.records[0].ok
+    for rec in run.records[1:]:
+        assert rec.error.startswith("llama-server died (killed by signal SIGILL (exit code -4))")
+    assert run_failure(run) == run.failure and run.to_json()["failure"] == run.failure
+    assert "FAILED: llama-server died mid-run: killed by signal SIGILL" in format_run(run)
+    other = _peer(_fake_binary(tmp_path / "ok"), plan, tmp_path)
+    other.compute(None)
+    table = comparison([other, run])
+    assert table["failures"] == [None, run.failure]
+    text = format_comparison(table)
+    assert "llama-server FAILED" in text.splitlines()[1]
+    assert "llama-server FAILED: llama-server died mid-run" in text
+
+
+def test_a_peer_that_dies_at_the_warm_up_or_while_starting_measures_nothing(tmp_path) -> None:
+    from service.bench.report import comparison
+
+    plan = _plan([100, 101], max_tokens=4, warmup=1)
+    run = _peer(_fake_binary(tmp_path, "FAKE_LLAMA_DIE_AFTER=0 "), plan, tmp_path)
+    m = run.compute(None)
+    assert (m.completed, m.failed) == (0, 2)
+    assert "killed by signal SIGILL (exit code -4), after 0 of 2" in run.failure
+    assert all("warm-up" in r.error and "SIGILL" in r.error for r in run.records)
+    table = comparison([run, run])
+    tok_s = next(row for row in table["rows"] if row["figure"] == "output tok/s")
+    failed = next(row for row in table["rows"] if row["figure"] == "failed")
+    assert tok_s["values"] == [None, None] and failed["values"] == [2.0, 2.0]  # not a silent 0
+    crash = tmp_path / "crash" / "llama-server"
+    crash.parent.mkdir()
+    crash.write_text("#!/bin/sh\necho 'illegal instruction' >&2\nkill -ILL $$\n")
+    crash.chmod(0o755)
+    run = _peer(crash, plan, tmp_path)
+    run.compute(None)
+    assert run.failure.startswith("llama-server exited with code -4 (killed by SIGILL) while "
+                                  "starting (log: ")
+    assert run.target["signal"] == "SIGILL" and run.metrics.failed == 2
+
+
+def test_one_user_runs_one_request_at_a_time_and_a_dead_peer_fails_the_bench(
+        tmp_path, capsys, monkeypatch, bench_tokenizer) -> None:
+    import service.bench.cli as cli
+    from service.bench.cli import main
+
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: bench_tokenizer)  # loaded once
+
+    model = _tiny_q4_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "one-user.json"
+    argv = ["--workload", "one-user", "--num-requests", "3", "--scale", "0.05", "--no-server",
+            "--peer", "llama-server", "--llama-server-model", str(model), "--no-progress"]
+    assert main([*argv, "--llama-server-bin", str(_fake_binary(tmp_path / "ok")),
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["workload"] == "one-user" and doc["config"]["max_concurrency"] == 1
+    (run,) = doc["runs"]
+    assert run["target"]["n_parallel"] == 1 and run["failure"] is None
+    assert run["metrics"]["completed"] == 3
+    spans = sorted((r["sent_s"], r["done_s"]) for r in run["requests"])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # never two at once
+    capsys.readouterr()
+    dead = _fake_binary(tmp_path / "dead", "FAKE_LLAMA_DIE_AFTER=2 ")
+    assert main([*argv, "--llama-server-bin", str(dead), "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "llama-server FAILED: llama-server died mid-run: killed by signal SIGILL" in err
+    doc = json.loads(out.read_text())
+    assert doc["runs"][0]["failure"].startswith("llama-server died mid-run")
+    assert doc["runs"][0]["target"]["signal"] == "SIGILL"

@@ -1,12 +1,14 @@
 """The llama-server peer against the real binary, when one was built
 (scripts/build_llama_server, or $CONVEYOR_LLAMA_SERVER): a fresh server on the default
-SmolLM2 GGUF, the bench's own client, the same token ids as the other peers. llama.cpp
-is a benchmark peer only: without the binary this test is skipped."""
+SmolLM2 GGUF, the bench's own client, the same token ids as the other peers; and the
+one-request check scripts/build_llama_server makes of what it built. llama.cpp is a
+benchmark peer only: without the binary these tests are skipped."""
 
 from __future__ import annotations
 
 import pytest
 
+from service.bench.llama_build import check_server
 from service.bench.llama_peer import LlamaPeerOptions, run_llama_peer
 from service.bench.llama_server import find_llama_server
 from service.bench.plan import LoadPlan
@@ -34,3 +36,11 @@ def test_real_llama_server_streams_exactly_the_tokens_asked_for(bench_tokenizer)
     t = run.target
     assert t["weight_type"] == "MOSTLY_Q4_1" and t["n_parallel"] == 2
     assert "-np" in t["argv"] and run.kind == "llama-server"
+
+
+def test_the_build_check_passes_the_real_binary() -> None:
+    from service.worker.loader import default_model_path
+
+    result = check_server(BINARY, default_model_path(), threads=1)
+    assert result.ok and result.returncode is None, result.detail
+    assert result.detail.startswith("served a 4-token completion")
