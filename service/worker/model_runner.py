@@ -109,8 +109,13 @@ class ModelRunner:
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
                 if self.quantization == "auto" else None
+            # Decode-sized buckets (up to 16 rows) lean to the C++ kernels that the fused
+            # forward can call, where it will run.
+            fusing = (self.device.type == "cpu" and self.decode_kernel == "cpp"
+                      and mc.cpu_fused_decode != "off")
             self.linear_plan = apply_linear_plan(self.model, self.quantization or "none",
-                                                 mc.batch_invariant, self.calibrate, gguf)
+                                                 mc.batch_invariant, self.calibrate, gguf,
+                                                 fused_rows=16 if fusing else 0)
             del gguf
         # Decode steps (every step when batch-invariant) as one native call where the
         # linear plan put C++ kernels on every layer.

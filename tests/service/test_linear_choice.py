@@ -244,3 +244,18 @@ def test_auto_batch_invariant_keeps_one_numerics_per_layer() -> None:
     assert got and len({p.numerics for p in got}) == 1 and got[0].native == "q4_1"
     dense = choice.class_paths(candidates("auto", True), choice.LayerWeights(w, None), True)
     assert dense and all(p.name.startswith("cpp-f32-") for p in dense)
+
+
+@pytest.mark.parametrize("cpp_ms, expect", [(1.2, "cpp-x"), (1.3, "fast")])
+def test_fusable_buckets_lean_to_cpp_paths_within_the_slack(cpp_ms, expect) -> None:
+    # the fused forward needs a C++ kernel on every layer: within FUSION_SLACK (1.25x) of the
+    # fastest, one serves the buckets of at most fused_rows rows; larger buckets stay fastest
+    paths = [_fake("fast"), _fake("cpp-x")]
+
+    def timer(cls, rows, makers):
+        return {n: (cpp_ms if n == "cpp-x" else 1.0) for n in makers}
+
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=timer, fused_rows=16)
+    assert plan.choices["qkv"] == (expect, expect, "fast", "fast")
+    plain = choice.choose_plan(LAYERS, paths, "int8", False, timer=timer, use_cache=False)
+    assert plain.choices["qkv"] == ("fast",) * 4

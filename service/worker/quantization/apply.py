@@ -68,7 +68,8 @@ def served_formats(model: LlamaModel,
 @torch.inference_mode()
 def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
                       calibrate: Callable[[], list],
-                      gguf: GGUFLinearWeights | None = None) -> LinearPlan:
+                      gguf: GGUFLinearWeights | None = None,
+                      fused_rows: int = 0) -> LinearPlan:
     """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached per
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
     serves (``calibrate()``: per-layer AmaxObservers), and replace the model's linear layers.
@@ -77,6 +78,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
         checkpoint's own weights: `gguf`'s native blocks where given and verified, else
         the dense weights, on the fastest weight-only path measured).
     gguf: auto on a GGUF file: its layers in their own block formats.
+    fused_rows: row buckets up to this size prefer C++ kernels the fused forward can call
+        (``choose_plan``); 0 where no step will be fused.
 
     Raises:
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
@@ -87,7 +90,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     if (None, "lm_head") in natives:
         first["lm_head"] = natives[(None, "lm_head")]
     plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
-                       batch_invariant, natives=first)
+                       batch_invariant, natives=first, fused_rows=fused_rows)
     plan = LinearPlan(plan.mode, plan.batch_invariant, plan.choices, plan.timings_ms,
                       plan.errors, plan.unavailable, plan.int4_group, natives)
     log.info("%s\n  (%s)", plan.table(), machine_note())

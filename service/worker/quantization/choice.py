@@ -210,6 +210,12 @@ def _save_cache(timings: Mapping[str, float]) -> None:
         log.warning("linear kernel timings not cached (%s): %s", path, e)
 
 
+FUSION_SLACK = 1.25
+"""A C++ path within this factor of the fastest serves a bucket the fused forward can take
+(``choose_plan``'s fused_rows): one-sequence decode steps measured faster fused by more than
+the linears could lose (README, "How a step works")."""
+
+
 def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
          bound: float) -> str | None:
     """The fastest path whose error (errors: path -> its error at this bucket) is within
@@ -233,7 +239,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 paths: Sequence[LinearPath], mode: str, batch_invariant: bool, *,
                 timer: Timer | None = None, use_cache: bool = True,
                 int4_group: int | None = None,
-                natives: Mapping[str, BlockWeight] | None = None) -> LinearPlan:
+                natives: Mapping[str, BlockWeight] | None = None,
+                fused_rows: int = 0) -> LinearPlan:
     """Measure and choose a path per (shape class, row bucket).
 
     Args:
@@ -246,6 +253,10 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
             whose dequantization is the layer's weight.
         timer: measures a path (default: ``default_timer``); tests pass a fake.
         use_cache: reuse and store timings in the per-machine cache.
+        fused_rows: buckets of at most this many rows prefer our C++ kernels (``cpp-*``)
+            within ``FUSION_SLACK`` of the fastest path: the fused forward
+            (``service.worker.fused_forward``) serves a bucket only where every class is a
+            C++ kernel, and saves more than that per step. 0: plain fastest.
 
     Raises:
         ValueError: no candidate can run here, or none is correct for some class.
@@ -302,8 +313,13 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 timings.update({keys[p.name]: got[p.name] for p in missing})
             row = {n: timings[k] for n, k in keys.items()}
             table[cls].append(row)
-            choice = pick(table[cls][-1], {n: e - bounds[n] for n, e in err.items()}, 0.0)
+            margins = {n: e - bounds[n] for n, e in err.items()}
+            choice = pick(row, margins, 0.0)
             assert choice is not None, f"{cls}: a correct path went untimed"
+            if rows <= fused_rows and not choice.startswith("cpp-"):
+                cpp = pick({n: ms for n, ms in row.items() if n.startswith("cpp-")}, margins, 0.0)
+                if cpp is not None and row[cpp] <= FUSION_SLACK * row[choice]:
+                    choice = cpp
             picked.append(choice)
         copies.clear()
         choices[cls] = tuple(picked)
