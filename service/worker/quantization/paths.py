@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
 from service.worker.quantization.linear import DenseLinear
-from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni
+from service.worker.quantization.isa import int8_isa
+from service.worker.quantization.torch_int8 import Int8Linear
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32
@@ -216,7 +217,7 @@ def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
 
 def machine_note() -> str:
-    """One line on what decides the int8 paths here (VNNI, C++ builds)."""
+    """One line on what decides the int8 paths here (VNNI in force, ISA caps, C++ builds)."""
     isas = qlc.available_isas()
-    return (f"VNNI {'yes' if cpu_has_vnni() else 'no (fbgemm uses 7-bit activations)'}; "
-            f"C++ builds: {', '.join(isas) if isas else 'none'}")
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+            f"{int8_isa().note()}; C++ builds: {', '.join(isas) if isas else 'none'}")

@@ -62,6 +62,8 @@ class LinearPlan:
     errors: class -> path -> relative error vs fp32 in one-row calls and in 8-row calls
         (``choice.relative_errors``).
     unavailable: path -> why it cannot run here.
+    saturation: class -> int8 path -> relative error per bucket on worst-case inputs
+        (``saturation.saturation_errors``); above the mode's bound a path is not chosen.
     """
 
     mode: str
@@ -71,6 +73,7 @@ class LinearPlan:
     errors: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
     unavailable: Mapping[str, str] = field(default_factory=dict)
     int4_group: int | None = None
+    saturation: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     def make_linear(self, cls: str, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """The Linear for one layer of class `cls` ([N, K] float32 weight, [N] bias or None):
@@ -119,6 +122,10 @@ class LinearPlan:
                 lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: {cells}")
             lines.append(f"  {cls:<8} error vs fp32 (1 row / 8 rows): "
                          + " ".join(f"{n} {e1:.4f}/{e8:.4f}" for n, (e1, e8) in errs.items()))
+            if self.saturation.get(cls):
+                lines.append(f"  {cls:<8} error on worst-case int8 inputs per bucket: " + " ".join(
+                    f"{n} {'/'.join(f'{e:.4f}' for e in es)}"
+                    for n, es in self.saturation[cls].items()))
         for name, why in self.unavailable.items():
             lines.append(f"  not available: {name}: {why}")
         return "\n".join(lines)
