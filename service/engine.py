@@ -46,7 +46,8 @@ from service.metrics import EngineMetrics
 from service.output_processor import LiveRequest
 from service.request_stream import Event, RequestStream, Sink
 from service.step_loop import StepLoop
-from service.generation_config import SamplingDefaults, load_sampling_defaults
+from service.generation_config import (SamplingDefaults, load_sampling_defaults,
+                                       log_sampling_defaults)
 from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
@@ -104,8 +105,7 @@ class Engine(Drainable):
         self.metrics.read_state_from(self._metrics_state)
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model, runner.model_name)
-        log.info("sampling_defaults", source=self.sampling_defaults.source,
-                 **self.sampling_defaults.as_dict())
+        log_sampling_defaults(self.sampling_defaults)
         self._admission = Preprocessor(
             PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
             core.scheduler.pool.num_blocks, self.config.cache.block_size,
