@@ -103,6 +103,8 @@ class Engine(Drainable):
         self._core = core = EngineCore(self.config, runner, cost=cost)
         self.metrics = EngineMetrics(runner.model_name)
         self.metrics.read_state_from(self._metrics_state)
+        if hasattr(runner, "linear_layer_formats"):
+            self.metrics.set_linear_layers(runner.linear_layer_formats())
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model, runner.model_name)
         log_sampling_defaults(self.sampling_defaults)

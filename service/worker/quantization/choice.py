@@ -244,6 +244,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     saturation: dict[str, dict[str, tuple[float, ...]]] = {}
     table: dict[str, list[dict[str, float]]] = {}
     choices: dict[str, tuple[str, ...]] = {}
+    retimed: list[str] = []  # "class NxK at R rows", for the start-up log
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
         lw = LayerWeights(weight, bias, **kw)
@@ -281,6 +282,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                     fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
                     return [lambda f=f: f(x) for f in fns]
 
+                retimed.append(f"{cls} {weight.shape[0]}x{weight.shape[1]} at {rows} rows")
                 got = (timer or default_timer)(cls, rows, {p.name: functools.partial(make, p)
                                                            for p in missing})
                 timings.update({keys[p.name]: got[p.name] for p in missing})
@@ -292,6 +294,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
         copies.clear()
         choices[cls] = tuple(picked)
         del lw
+    _log_cache_use(use_cache, cached, retimed)
     if use_cache and timings != cached:
         if busy:
             log.warning("the machine was busy while linear kernels were timed (load average "
@@ -301,6 +304,18 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     return LinearPlan(mode, batch_invariant, choices, table, errors,
                       {k: v for k, v in problems.items() if v is not None},
                       int4_group=int4_group, saturation=saturation)
+
+
+def _log_cache_use(use_cache: bool, cached: Mapping[str, float], retimed: list[str]) -> None:
+    """The start-up log line on the timing cache: used or not, and what was re-timed."""
+    if not use_cache:
+        where = "not used (use_cache=False)"
+    elif cached:
+        where = f"{_cache_path()} ({len(cached)} timings found)"
+    else:
+        where = f"{_cache_path()} (none found: everything is timed)"
+    log.info("linear kernel timing cache: %s; re-timed: %s", where,
+             ", ".join(retimed) if retimed else "nothing (every timing came from the cache)")
 
 
 def _probe(cls: str, shape: torch.Size, paths: Sequence[LinearPath],
