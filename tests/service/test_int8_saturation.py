@@ -2,7 +2,7 @@
 int8 candidate is run on worst-case inputs, a path that saturates is never chosen, and
 fbgemm's 7-bit decision follows the instruction set in force (caps in the environment
 included). The real kernels of this machine run natively here, and again under the AVX2
-cap in a subprocess (``test_the_probe_holds_under_the_avx2_cap``)."""
+cap in a subprocess (``test_the_probe_holds_under_isa_caps``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,11 @@ pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.support
 
 AVX2_CAP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+# the oldest the suite can emulate: ATen's scalar kernels, oneDNN on SSE4.1 (fbgemm's
+# floor is AVX2)
+OLDEST_CAP = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+              "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+CAPPED = "CONVEYOR_TEST_CAPPED"
 BOUND = ERROR_BOUNDS["int8"]
 K, N = 576, 256  # SmolLM2-135M's hidden size; the probe's channel count
 
@@ -70,8 +75,9 @@ def _no_disk_cache(monkeypatch):
 def test_the_capability_this_test_runs_under_is_reported() -> None:
     cap = torch.backends.cpu.get_cpu_capability()
     print(f"torch CPU capability {cap}; {int8_isa().note()}")
-    if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
-        assert cap == "AVX2"
+    expected = {"avx2": "AVX2", "default": "DEFAULT"}.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if expected:
+        assert cap == expected
 
 
 def test_probe_inputs_are_exact_and_reach_the_top_of_the_range() -> None:
@@ -162,18 +168,22 @@ def test_the_timing_cache_key_follows_the_caps(monkeypatch) -> None:
     assert choice.cache_key() != native
 
 
-@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2",
-                    reason="already the capped run")
-def test_the_probe_holds_under_the_avx2_cap() -> None:
+@pytest.mark.skipif(bool(os.environ.get(CAPPED)), reason="already a capped run")
+@pytest.mark.parametrize("cap", [
+    pytest.param(AVX2_CAP, id="avx2"),
+    pytest.param(OLDEST_CAP, id="oldest", marks=pytest.mark.slow)])
+def test_the_probe_holds_under_isa_caps(cap) -> None:
     """This file's tests of the real kernels again, in a process whose torch is held to
-    AVX2 kernels (the pure ones need no second run)."""
+    AVX2 kernels, or the oldest ones it can be held to (the pure tests need no second
+    run)."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, **AVX2_CAP}
+    env = {**os.environ, **cap, CAPPED: "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                           str(Path(__file__).relative_to(root)), "-k",
                           "capability or real or chosen_plan or rejects"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "torch CPU capability AVX2" in out.stdout
+    want = "AVX2" if cap is AVX2_CAP else "DEFAULT"
+    assert f"torch CPU capability {want}" in out.stdout, out.stdout[-2000:]
     assert "fbgemm VNNI no" in out.stdout
     assert " passed" in out.stdout and " failed" not in out.stdout
