@@ -95,8 +95,12 @@ class Ingress:
             self._start_error = f"the engine replicas failed to start: {type(e).__name__}: {e}"
             log.error("ingress_start_failed", error=self._start_error)
             return
-        self.metrics = IngressMetrics(info.model_name, decisions=self._decisions)
-        self.engine = RemoteEngine(self._handle, info, self.metrics, max_waiting_requests)
+        metrics = IngressMetrics(info.model_name, decisions=self._decisions)
+        # off the event loop: building the admission (tokenizer, template) takes seconds
+        # on a busy machine, and /health must answer meanwhile
+        engine = await asyncio.to_thread(RemoteEngine, self._handle, info, metrics,
+                                         max_waiting_requests)
+        self.metrics, self.engine = metrics, engine
         self.metrics.track_in_flight(lambda: self.engine.num_unfinished if self.engine else 0)
         log.info("ingress_ready", model=info.model_name, deployment=self._deployment)
 
