@@ -28,6 +28,7 @@ _EXPORTS = {
     'Hello': 'protocol.messages',
     'InternalError': 'protocol.errors',
     'InvalidRequest': 'protocol.errors',
+    'DEFAULT_MAX_TOKENS': 'protocol.messages',
     'MAX_ID_LENGTH': 'protocol.messages',
     'MAX_STOP_STRINGS': 'protocol.messages',
     'Overloaded': 'protocol.errors',

@@ -34,6 +34,9 @@ MAX_STOP_TOKEN_IDS = 256
 # Integer and float ranges (issue 14): every number that reaches the engine's
 # arithmetic (policies, sampler, generators) is bounded here, at the boundary.
 INT32_MAX = 2**31 - 1
+DEFAULT_MAX_TOKENS = 256
+"""max_tokens of a request that sets none, when the model's generation config has no
+max_new_tokens (PROTOCOL.md's params table)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 100.0
 MAX_TTFT_SLO_MS = 1e9
@@ -75,7 +78,9 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     (`--generation-config vllm`).
 
     Fields:
-        max_tokens: int in [1, 2**31 - 1], most tokens to generate (default 256).
+        max_tokens: int in [1, 2**31 - 1] or None, most tokens to generate; None
+            (unset): the model's generation config `max_new_tokens` (capped by what the
+            context leaves after the prompt), else 256 (``DEFAULT_MAX_TOKENS``).
         temperature: float in [0, 100] or None, 0 means greedy (neutral 1.0).
         top_p: float in (0, 1] or None, nucleus sampling (neutral 1.0 = off).
         top_k: int in [0, 2**31 - 1] or None, 0 means off (neutral 0).
@@ -93,7 +98,7 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
         ttft_slo_ms: float in (0, 1e9] or None, target time to first token in ms.
     """
 
-    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 256
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
@@ -258,6 +263,7 @@ class Error(_Frame, tag="error", omit_defaults=True):
 ServerMessage = Union[Hello, Pong, Accepted, Delta, Done, Error]
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "MAX_ID_LENGTH",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from protocol import (ChatMessage, ContextLengthExceeded, InvalidRequest, Overloaded,
                       SamplingParams)
 from service.generation_config import SamplingDefaults
@@ -58,12 +60,16 @@ class Preprocessor:
                       params: SamplingParams | Mapping[str, Any] | None,
                       client_id: str) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, checked params) of one request; the params' unset
-        temperature / top_p / top_k / min_p take `self.defaults`, here and nowhere else.
+        temperature / top_p / top_k / min_p / max_tokens take `self.defaults`, here and
+        nowhere else (an unset max_tokens: the model's max_new_tokens capped by what the
+        context and the KV cache leave after the prompt, else 256).
 
         Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
         many prompts being tokenized).
         """
-        params = self.defaults.apply(coerce_params(params, request_id=client_id))
+        raw = coerce_params(params, request_id=client_id)
+        room = min(self.max_model_len, self.num_kv_blocks * self.block_size)
+        params = self.defaults.apply(raw, 1, room)  # max_tokens: re-fit to the prompt below
         if messages is not None:
             messages = coerce_messages(messages, request_id=client_id)
         if prompt is not None and not isinstance(prompt, str):
@@ -88,6 +94,9 @@ class Preprocessor:
                 ids = await asyncio.get_running_loop().run_in_executor(self._pool, tokenize)
             finally:
                 self.pending -= 1
+        if raw.max_tokens is None:
+            params = msgspec.structs.replace(
+                params, max_tokens=self.defaults.output_limit(len(ids), room))
         self.check_fits(len(ids), params, client_id)
         return ids, params
 

@@ -47,7 +47,8 @@ from service.metrics import EngineMetrics
 from service.output_processor import LiveRequest
 from service.request_stream import Event, RequestStream, Sink
 from service.step_loop import StepLoop
-from service.generation_config import SamplingDefaults, load_sampling_defaults
+from service.generation_config import (SamplingDefaults, load_sampling_defaults,
+                                       log_sampling_defaults)
 from service.tokenize_prompt import PromptTokenizer
 
 log = structlog.get_logger(__name__)
@@ -103,10 +104,11 @@ class Engine(Drainable):
         self._core = core = EngineCore(self.config, runner, cost=cost)
         self.metrics = EngineMetrics(runner.model_name)
         self.metrics.read_state_from(self._metrics_state)
+        if hasattr(runner, "linear_layer_formats"):
+            self.metrics.set_linear_layers(runner.linear_layer_formats())
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model, runner.model_name)
-        log.info("sampling_defaults", source=self.sampling_defaults.source,
-                 **self.sampling_defaults.as_dict())
+        log_sampling_defaults(self.sampling_defaults)
         prompts = PromptTokenizer(runner.tokenizer, runner.vocab_size)
         self._admission = Preprocessor(
             prompts, runner.max_model_len,

@@ -13,9 +13,16 @@ value here, once, at admission (`SamplingDefaults.apply`, called by
     vllm   the neutral values: temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0 (off)
     PATH   a folder holding `generation_config.json`, or that file itself
 
-`max_new_tokens` and `repetition_penalty`, which vLLM also reads, are not applied:
-`max_tokens` keeps the protocol's default (256) and the sampler has no repetition
-penalty.
+`max_new_tokens` is the default output limit, as vLLM applies it: a request that sets
+no `max_tokens` gets `min(max_new_tokens, room)`, room = what the context (max_model_len,
+or a smaller whole KV cache) leaves after its prompt; a request's explicit `max_tokens`
+always wins, above or below it (it is never a cap). Without `max_new_tokens` an unset
+`max_tokens` is 256 (PROTOCOL.md), refused with `context_length_exceeded` when it does
+not fit. `repetition_penalty` is not applied (the sampler has none).
+
+`top_k: 1` in a generation config makes every request that leaves top_k unset greedy,
+whatever its temperature: `SamplingDefaults.warnings` says so, and the engine logs it at
+start-up.
 """
 
 from __future__ import annotations
@@ -26,12 +33,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import msgspec
+import structlog
 
-from protocol import SamplingParams
+from protocol import DEFAULT_MAX_TOKENS, SamplingParams
 
-__all__ = ["MODEL_CARD_DEFAULTS", "SamplingDefaults", "load_sampling_defaults"]
+__all__ = ["MODEL_CARD_DEFAULTS", "SamplingDefaults", "load_sampling_defaults",
+           "log_sampling_defaults"]
+
+log = structlog.get_logger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+LIMIT_KEY = "max_new_tokens"
 
 MODEL_CARD_DEFAULTS: tuple[tuple[re.Pattern[str], dict[str, float], str], ...] = (
     # huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: its usage example generates with
@@ -48,8 +60,9 @@ class SamplingDefaults:
     """The values unset sampling parameters take, and where they came from.
 
     temperature in [0, 100], top_p in (0, 1], top_k >= 0 (0 = off), min_p in [0, 1]
-    (0 = off); `source` says where they were read, e.g. "vllm (neutral)" or a path.
-    Raises ValueError naming the field for a value out of range.
+    (0 = off); max_new_tokens in [1, 2**31 - 1] or None (tokens: the default
+    `max_tokens`, see the module docstring); `source` says where they were read, e.g.
+    "vllm (neutral)" or a path. Raises ValueError naming the field for a value out of range.
     """
 
     temperature: float = 1.0
@@ -57,32 +70,57 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     source: str = "vllm (neutral)"
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         try:  # the wire's own ranges (protocol.messages.SamplingParams)
-            msgspec.convert(self.as_dict(), SamplingParams)
+            msgspec.convert({**self.as_dict(), "max_tokens": self.max_new_tokens},
+                            SamplingParams)
         except msgspec.ValidationError as e:
-            raise ValueError(f"sampling defaults from {self.source}: {e}") from None
+            raise ValueError(f"sampling defaults from {self.source}: "
+                             f"{str(e).replace('max_tokens', LIMIT_KEY)}") from None
+
+    def output_limit(self, prompt_tokens: int, room: int) -> int:
+        """The max_tokens of a request that sets none: max_new_tokens capped by what
+        `room` (tokens: the context, or the KV cache if smaller) leaves after
+        `prompt_tokens` (at least 1), or DEFAULT_MAX_TOKENS (256, never capped: a prompt
+        it does not fit is refused) without one."""
+        if self.max_new_tokens is None:
+            return DEFAULT_MAX_TOKENS
+        return max(1, min(self.max_new_tokens, room - prompt_tokens))
+
+    def warnings(self) -> list[str]:
+        """What a start-up log should warn of in these defaults (e.g. top_k 1: greedy)."""
+        if self.top_k == 1:
+            return [f"the generation config ({self.source}) sets top_k 1: every request "
+                    "that leaves top_k unset is sampled greedily, whatever its temperature"]
+        return []
 
     def as_dict(self) -> dict[str, float]:
         """{"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ...} (sent in `hello`)."""
         return {k: getattr(self, k) for k in SAMPLING_KEYS}
 
-    def apply(self, params: SamplingParams) -> SamplingParams:
-        """`params` with every unset (None) sampling field replaced by its default."""
-        unset = {k: v for k, v in self.as_dict().items() if getattr(params, k) is None}
+    def apply(self, params: SamplingParams, prompt_tokens: int = 0,
+              room: int = 2**31 - 1) -> SamplingParams:
+        """`params` with every unset (None) sampling field replaced by its default, and an
+        unset max_tokens by ``output_limit(prompt_tokens, room)``."""
+        unset: dict[str, float] = {k: v for k, v in self.as_dict().items()
+                                   if getattr(params, k) is None}
+        if params.max_tokens is None:
+            unset["max_tokens"] = self.output_limit(prompt_tokens, room)
         return msgspec.structs.replace(params, **unset) if unset else params
 
 
 def _read_json(path: Path) -> dict[str, float]:
-    """The sampling keys a generation_config.json sets (null values count as unset)."""
+    """The sampling keys and max_new_tokens a generation_config.json sets (null values
+    count as unset)."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeError, ValueError) as e:
         raise ValueError(f"{path}: not a readable generation config: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a generation config is a JSON object")
-    return {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+    return {k: raw[k] for k in (*SAMPLING_KEYS, LIMIT_KEY) if raw.get(k) is not None}
 
 
 def _from_values(values: dict[str, float], source: str) -> SamplingDefaults:
@@ -116,3 +154,14 @@ def load_sampling_defaults(mode: str, model_path: str | None, model_name: str) -
         if pattern.match(model_name):
             return _from_values(values, source)
     return SamplingDefaults(source="vllm (neutral; the model has no generation config)")
+
+
+def log_sampling_defaults(defaults: SamplingDefaults) -> None:
+    """The start-up log lines of the defaults: the values (the output limit included:
+    max_new_tokens, or the protocol's 256 when the model sets none) and any warning."""
+    log.info("sampling_defaults", source=defaults.source, **defaults.as_dict(),
+             default_max_tokens=defaults.max_new_tokens or DEFAULT_MAX_TOKENS,
+             default_max_tokens_from=LIMIT_KEY if defaults.max_new_tokens is not None
+             else "protocol default")
+    for warning in defaults.warnings():
+        log.warning("sampling_defaults_greedy", message=warning)

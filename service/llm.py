@@ -19,7 +19,7 @@ from protocol import InvalidRequest, SamplingParams
 from service.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
 from service.core.request import Request
-from service.generation_config import load_sampling_defaults
+from service.generation_config import load_sampling_defaults, log_sampling_defaults
 from service.request_input import coerce_params, coerce_token_ids
 
 
@@ -60,6 +60,7 @@ class LLM:
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model,
             getattr(runner, "model_name", ""))
+        log_sampling_defaults(self.sampling_defaults)
         self._next_id = 0
 
     @property
@@ -89,8 +90,8 @@ class LLM:
         limit = self.runner.max_model_len
         reqs = []
         for ids, p in zip(prompt_token_ids, plist):
-            p = self.sampling_defaults.apply(coerce_params(p))
             ids = coerce_token_ids(ids)
+            p = self.sampling_defaults.apply(coerce_params(p), len(ids), limit)
             if not ids or len(ids) + p.max_tokens > limit:
                 raise InvalidRequest(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
                                      f"does not fit (max_model_len {limit})",

@@ -17,6 +17,7 @@
 | request_queue_time_seconds         | request_queue_time_seconds         |
 | iteration_tokens_total             | iteration_tokens_total             |
 | websocket_connections              | (none: Conveyor's own)             |
+| linear_layers{format}              | (none: layers per weight format)   |
 
 Gauges and the prefix-cache and preemption counters are read from the engine's
 state when /metrics is scraped (on the event loop, where that state lives), so
@@ -25,7 +26,7 @@ they can never drift from it: never negative, never above their bound.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -99,8 +100,16 @@ class EngineMetrics:
                                           buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.connections = Gauge(PREFIX + "websocket_connections", "Open WebSocket connections.",
                                  lab, registry=r).labels(model_name)
+        self._linear_layers = Gauge(PREFIX + "linear_layers",
+                                    "Linear layers of the model by weight format.",
+                                    lab + ["format"], registry=r)
         self._state_reader: Callable[[], CoreStats | None] = lambda: None
         r.register(_StateCollector(lambda: self._state_reader(), self._labels))
+
+    def set_linear_layers(self, formats: Mapping[str, int]) -> None:
+        """The model's linear layers per weight format (set once, at start-up)."""
+        for fmt, n in formats.items():
+            self._linear_layers.labels(self._labels["model_name"], fmt).set(n)
 
     def read_state_from(self, reader: Callable[[], CoreStats | None]) -> None:
         """Where the scrape-time gauges come from (the engine installs its reader)."""

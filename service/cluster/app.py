@@ -78,7 +78,7 @@ def build_app(engine: EngineConfig, server: ServerConfig,
         max_ongoing_requests=server.max_connections + 64,
         graceful_shutdown_timeout_s=server.shutdown_timeout + server.close_timeout)
     return ingress.bind(replica.bind(replica_engine_config(engine, cluster)), server,
-                        engine.scheduler.max_waiting_requests)
+                        engine.scheduler.max_waiting_requests, cluster.num_replicas)
 
 
 def configs_from_argv(argv: list[str]) -> tuple[EngineConfig, ServerConfig, ClusterConfig]:

@@ -5,7 +5,9 @@
     ws://HOST:PORT/v1/responses  the OpenAI Responses API's WebSocket mode, served by the
                                same ResponsesConnection actor as `conveyor serve`
     GET /health                200 {"status": "ok", "replicas": N} when some replica is
-                               routable and the ingress accepts requests, else 503
+                               routable and the ingress accepts requests, else 503 with
+                               a `reason`; during start-up 503 until every replica of
+                               the deployment is ready (`expected_replicas`)
     GET /metrics               the ingress's metrics and every replica's engine metrics
                                (label `replica`), Prometheus text
     GET /                      the built-in chat page
@@ -13,6 +15,12 @@
 Every route but /health is guarded like `conveyor serve`'s (service/auth.py): a foreign
 browser Origin gets 403, a missing or wrong API key 401. Sockets beyond
 `max_connections` are closed with 1013 right after the handshake.
+
+Start-up: the ingress is up within its actor's start, before any replica has loaded the
+model (its constructor does not wait for them), so /health answers at once from the first
+moment the proxy routes to it: 503 {"status": "starting", "reason": ...} while replicas
+load. A socket opened before the first replica is ready is closed with 1013 ("the model
+is loading; try again later"); once one is ready, requests go to the ready replicas.
 
 Each WebSocket protocol is one route handing its actor class to `_serve_socket` (any
 `service.socket_actor.SocketActor`: built as `Actor(socket, engine, server_config)`,
@@ -60,28 +68,69 @@ class Ingress:
         server_config: limits and access (the `conveyor serve` network flags; host and
             port are the proxy's, set when Serve starts).
         max_waiting_requests: most prompts tokenized at once here.
+        expected_replicas: replicas the deployment starts with; /health says 503 until
+            that many are ready once (then 200 while any is routable).
     """
 
     async def __init__(self, engine: Any, server_config: ServerConfig,
-                       max_waiting_requests: int = 1024) -> None:
+                       max_waiting_requests: int = 1024, expected_replicas: int = 1) -> None:
         self.config = server_config
         self.access = AccessPolicy(server_config.api_key, server_config.allowed_origins)
         self._deployment = engine.deployment_name
-        info = await engine.info.remote()  # waits until a replica is up
-        self.metrics = IngressMetrics(info.model_name, decisions=self._decisions)
-        self.engine = RemoteEngine(engine, info, self.metrics, max_waiting_requests)
         self._handle = engine
+        self._expected = max(1, expected_replicas)
+        self._started = False  # every expected replica was ready once
+        self.engine: RemoteEngine | None = None
+        self.metrics: IngressMetrics | None = None
         self.connections: set[Any] = set()
+        self._start_error: str | None = None
+        self._connecting = asyncio.get_running_loop().create_task(
+            self._connect(max_waiting_requests), name="conveyor-ingress-connect")
+
+    async def _connect(self, max_waiting_requests: int) -> None:
+        """Wait for the first replica's facts (it has loaded the model), then serve."""
+        try:
+            info = await self._handle.info.remote()
+        except Exception as e:  # the deployment failed to start: /health says why
+            self._start_error = f"the engine replicas failed to start: {type(e).__name__}: {e}"
+            log.error("ingress_start_failed", error=self._start_error)
+            return
+        metrics = IngressMetrics(info.model_name, decisions=self._decisions)
+        # off the event loop: building the admission (tokenizer, template) takes seconds
+        # on a busy machine, and /health must answer meanwhile
+        engine = await asyncio.to_thread(RemoteEngine, self._handle, info, metrics,
+                                         max_waiting_requests)
+        self.metrics, self.engine = metrics, engine
+        self.metrics.track_in_flight(lambda: self.engine.num_unfinished if self.engine else 0)
         log.info("ingress_ready", model=info.model_name, deployment=self._deployment)
+
+    def _unready_reason(self, replicas: int) -> str | None:
+        """Why /health is not 200 now (None: it is)."""
+        if self._start_error is not None:
+            return self._start_error
+        if self.engine is None:
+            return (f"starting: the engine replicas are loading the model "
+                    f"({replicas} of {self._expected} ready)")
+        if not self.engine.accepting:
+            return "shutting down"
+        if not self._started and replicas < self._expected:
+            return f"starting: {replicas} of {self._expected} engine replicas ready"
+        self._started = True
+        if not replicas:
+            return "no engine replica is ready"
+        return None
 
     # ---- HTTP --------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
         replicas = len(self._replica_ids())
-        if self.engine.accepting and replicas:
+        reason = self._unready_reason(replicas)
+        if reason is None and self.engine is not None:
             return JSONResponse({"status": "ok", "model": self.engine.model_name,
                                  "replicas": replicas})
-        return JSONResponse({"status": "unavailable", "replicas": replicas},
+        status = "starting" if reason and reason.startswith("starting") else "unavailable"
+        return JSONResponse({"status": status, "reason": reason, "replicas": replicas,
+                             "expected_replicas": self._expected},
                             status_code=http.HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
@@ -89,6 +138,9 @@ class Ingress:
         refused = self._refuse(request.headers, request.url.query)
         if refused is not None:
             return refused
+        if self.metrics is None:
+            return JSONResponse({"error": self._unready_reason(0)},
+                                status_code=http.HTTPStatus.SERVICE_UNAVAILABLE)
         ids = self._replica_ids()
         texts = await asyncio.gather(*(self._replica_metrics(rid) for rid in ids))
         body = self.metrics.render({rid: t for rid, t in zip(ids, texts) if t})
@@ -122,6 +174,10 @@ class Ingress:
             return
         await ws.accept()
         socket = AsgiSocket(ws, self.config.max_message_bytes)
+        if self.engine is None:
+            await socket.close(CLOSE_TRY_AGAIN_LATER, "the model is loading; try again later"
+                               if self._start_error is None else "the engine failed to start")
+            return
         limit = self.config.max_connections
         if len(self.connections) >= limit or not self.engine.accepting:
             await socket.close(CLOSE_TRY_AGAIN_LATER, f"too many connections (limit {limit}) "
@@ -156,6 +212,9 @@ class Ingress:
         shutdown_timeout), then are cancelled (each still gets its done); every socket is
         closed with 1001. Returns True when every request finished on its own."""
         timeout = self.config.shutdown_timeout if timeout is None else timeout
+        if self.engine is None:  # still starting: nothing in flight
+            self._connecting.cancel()
+            return True
         self.engine.begin_shutdown()
         log.info("shutdown_started", requests_in_flight=self.engine.num_unfinished,
                  timeout_s=timeout)
@@ -170,7 +229,9 @@ class Ingress:
         return finished
 
     async def __del__(self) -> None:
-        await self.engine.close()
+        self._connecting.cancel()
+        if self.engine is not None:
+            await self.engine.close()
 
     # ---- replicas --------------------------------------------------------------------------
     def _replica_ids(self) -> list[str]:

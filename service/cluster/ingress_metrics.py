@@ -9,7 +9,11 @@ Serve replica id), so one scrape of the proxy shows all replicas side by side:
 
 The ingress's own, under the same prefix:
     websocket_connections                    open sockets on this ingress
-    cluster_requests_routed_total{replica}   requests admitted by each replica
+    cluster_requests_routed_total{replica}   requests admitted by each replica (after
+                                             quiescence: each replica's finished
+                                             requests, cancelled ones included)
+    cluster_requests_in_flight               requests this ingress holds: being
+                                             admitted or streaming
     cluster_replica_failures_total           streams lost to a failed replica
     cluster_routing_decisions_total{reason}  router attempts: affinity, least_cached,
                                              power_of_two, pinned
@@ -58,7 +62,14 @@ class IngressMetrics:
         self.replica_failures = Counter(PREFIX + "cluster_replica_failures",
                                         "Request streams lost because their replica failed.",
                                         registry=r)
+        self._in_flight = Gauge(PREFIX + "cluster_requests_in_flight",
+                                "Requests this ingress holds: being admitted or streaming.",
+                                registry=r)
         r.register(_DecisionCollector(decisions))
+
+    def track_in_flight(self, read: Callable[[], int]) -> None:
+        """The in-flight gauge reads `read()` at scrape time."""
+        self._in_flight.set_function(read)
 
     def routed(self, replica_id: str) -> None:
         self._routed.labels(replica_id).inc()

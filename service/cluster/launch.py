@@ -17,6 +17,10 @@ import argparse
 import signal
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.cluster.config import ClusterConfig
 
 GRACE_S = 30.0
 """Seconds beyond --shutdown-timeout allowed for the drain call itself."""
@@ -35,6 +39,16 @@ def start_ray(address: str | None) -> bool:
     except ConnectionError:
         ray.init(address="local", include_dashboard=False)
         return True
+
+
+def routing_note(c: ClusterConfig) -> str:
+    """One line on the router's thresholds, for the start-up log."""
+    if c.routing != "prefix-affinity":
+        return f"routing {c.routing}: power of two choices by queue length"
+    return (f"routing prefix-affinity: balance threshold {c.imbalanced_threshold} requests "
+            f"in flight (a wider spread between replicas routes by load), match-rate "
+            f"threshold {c.match_rate_threshold:g} (fraction of a prompt's full KV blocks a "
+            f"replica must hold to win by affinity)")
 
 
 def serve_cluster(a: argparse.Namespace) -> int:
@@ -63,6 +77,7 @@ def serve_cluster(a: argparse.Namespace) -> int:
         print(f"conveyor: deploying {scaling} replicas of "
               f"{a.model or 'SmolLM2-135M-Instruct (default)'} ({cluster.num_cpus_per_replica:g} "
               f"CPU each, {cluster.routing} routing); each loads the model ...", flush=True)
+        print(f"conveyor: {routing_note(cluster)}", flush=True)
         handle = serve.run(build_app(engine, net, cluster), name=cluster.app_name,
                            route_prefix=cluster.route_prefix, blocking=False)
         host = f"[{net.host}]" if ":" in net.host else net.host

@@ -13,6 +13,13 @@ with the engine's own Preprocessor (service.admission), before anything is route
       <- Admitted (returned as the prompt length) | Error (raised as its ProtocolError)
       <- event batches, pumped into the sink by a task of the request's own
 
+Counting (so that after quiescence the ingress's `cluster_requests_routed_total` equals
+each replica's finished requests): a request counts as routed to a replica when that
+replica admitted it, and only then. A client that leaves while its request is being
+admitted does not cut the admission short: it finishes in the background, and a request
+a replica admitted is then cancelled there (its engine finishes it as "cancelled"), so
+both sides count it once. `num_unfinished` (the in-flight gauge) includes those.
+
 `abort` reaches the serving replica through a ReplicaPin, so a cancelled request still
 ends with the engine's own Done ("cancelled", with its usage). When the replica dies
 mid-stream, the stream's Ray error becomes an `internal_error` (retryable: the request
@@ -124,13 +131,16 @@ class RemoteEngine(Drainable):
         self._instance = uuid.uuid4().hex[:8]  # engine keys unique across ingresses
         self._live: dict[str, _Remote] = {}
         self._admitting: set[str] = set()
+        self._settling: set[asyncio.Future] = set()  # admissions whose caller left
         self._tasks: set[asyncio.Task] = set()
         self.ready = True
         self.accepting = True
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._live) + len(self._admitting)
+        """Requests this ingress holds: being admitted (their caller there or gone) or
+        streaming."""
+        return len(self._live) + len(self._admitting) + len(self._settling)
 
     async def close(self) -> None:
         """Cancel every stream (each still gets an error and its Done); stop the pool."""
@@ -138,7 +148,7 @@ class RemoteEngine(Drainable):
         for live in list(self._live.values()):
             if live.task is not None:
                 live.task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._settling, return_exceptions=True)
         self._admission.close()
 
     # ---- admission -------------------------------------------------------------------
@@ -171,7 +181,12 @@ class RemoteEngine(Drainable):
                 connection_id=connection_id, prompt_token_ids=ids, params=params,
                 waited_s=time.monotonic() - arrival,
                 block_hashes=tuple(self._hasher.block_hashes(ids)))
-            gen, admitted = await self._send(request)
+            send = asyncio.ensure_future(self._send(request))
+            try:
+                gen, admitted = await asyncio.shield(send)
+            except asyncio.CancelledError:
+                self._settle(send)
+                raise
         finally:
             self._admitting.discard(key)
         live = _Remote(key, request.request_id, client_id, admitted.replica_id,
@@ -183,6 +198,22 @@ class RemoteEngine(Drainable):
         self._tasks.add(live.task)
         live.task.add_done_callback(self._tasks.discard)
         return stream if stream is not None else admitted.prompt_tokens
+
+    def _settle(self, send: asyncio.Future) -> None:
+        """The caller left while `send` (an admission) ran: let it finish; a request a
+        replica admitted counts as routed there and is cancelled at once (the replica's
+        engine then finishes it as "cancelled")."""
+        self._settling.add(send)
+
+        def done(task: asyncio.Future) -> None:
+            self._settling.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                return  # refused, or no replica took it: no replica counts it
+            gen, admitted = task.result()
+            self.metrics.routed(admitted.replica_id)
+            gen.cancel()
+
+        send.add_done_callback(done)
 
     def _check_accepting(self, key: str, client_id: str, admitting: bool = False) -> None:
         if not self.accepting:

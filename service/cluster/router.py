@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import structlog
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from service.cluster import registry
@@ -71,6 +72,10 @@ class PrefixCacheAffinityRouter(RequestRouter):
         self._rng = random.Random(seed)
         self.decisions: Counter[str] = Counter()  # routing attempts by reason
         registry.register(self)  # for the ingress's /health and /metrics
+        structlog.get_logger(__name__).info(
+            "router_ready", routing="prefix-affinity" if affinity else "power-of-two",
+            imbalanced_threshold_requests=imbalanced_threshold,
+            match_rate_threshold=match_rate_threshold, max_table_blocks=max_table_blocks)
 
     @property
     def deployment_name(self) -> str:

@@ -19,7 +19,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import SamplingParams
+import msgspec
+
+from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +59,12 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not delivered)
+
+    def __post_init__(self) -> None:
+        # Admission fills an unset max_tokens (the model's max_new_tokens, fitted to the
+        # prompt); a Request built without admission (tests, benches) gets the wire's 256.
+        if self.params.max_tokens is None:
+            self.params = msgspec.structs.replace(self.params, max_tokens=DEFAULT_MAX_TOKENS)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,7 +16,8 @@ bounded outbox; the life cycle, slow-reader handling and close codes are
   runs the prompt with max_tokens=1 and the one sampled token is dropped; the response
   completes with no output and can be continued.
 - An unset `max_output_tokens` means the rest of the context (max_model_len, or the whole
-  KV cache when smaller, minus the prompt).
+  KV cache when smaller, minus the prompt), or the model's generation config
+  `max_new_tokens` when that is smaller (vLLM's default output limit).
 - Closing the socket cancels the responses in flight; the engine frees their KV blocks
   before its next step. Errors never close the socket.
 """
@@ -158,9 +159,10 @@ class ResponsesConnection(SocketActor):
             ids, messages = await asyncio.to_thread(  # templating and tokenizing: off the loop
                 lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
                                      req.messages, generate=req.generate))
+            limit = self.engine.sampling_defaults.max_new_tokens  # the model's default
             max_tokens = 1 if not req.generate else \
                 req.max_output_tokens if req.max_output_tokens is not None else \
-                max(1, self._room() - len(ids))
+                max(1, min(self._room() - len(ids), limit or self._room()))
             params = {"max_tokens": max_tokens, "temperature": req.temperature,
                       "top_p": req.top_p}
             await self.engine.add_request(

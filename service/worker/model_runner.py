@@ -26,6 +26,7 @@ from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
 from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
+from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
 from service.worker.section_timer import SectionTimer
@@ -292,7 +293,17 @@ class ModelRunner:
                 "fused_decode": self.fused_decode,
                 # the measured choice, one path per row bucket (1, 16, 64, 512) per class
                 "linear_kernels": (self.linear_plan.summary() if self.linear_plan is not None
-                                   else "fp32")}
+                                   else "fp32"),
+                # linear layers per weight format, counted on the layers themselves
+                "linear_layers": " ".join(f"{k}={v}" for k, v in
+                                          self.linear_layer_formats().items())}
+
+    def linear_layer_formats(self) -> dict[str, int]:
+        """{weight format: linear layers it serves} ("fp32", "int8", "int4", "fp32+int8"
+        for a layer whose row buckets differ), LM head included; {} after release()."""
+        if self.model is None:
+            return {}
+        return layer_formats(self.model.layers, self.model.lm_head)
 
     # ---- one step ---------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

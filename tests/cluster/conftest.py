@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import re
 import socket
+import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
@@ -91,7 +92,14 @@ def start_cluster(cluster: ClusterConfig, engine: EngineConfig | None = None,
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(engine or small_engine_config(), server or ServerConfig(port=port),
                         cluster), name=cluster.app_name, blocking=False)
-    return RunningCluster(port)
+    running = RunningCluster(port)
+    # Serve says RUNNING once every replica is up; the ingress says 200 once it has seen
+    # them all (its router learns of replicas a moment later)
+    deadline = time.monotonic() + 120
+    while running.get("/health")[0] != 200:
+        assert time.monotonic() < deadline, running.get("/health")
+        time.sleep(0.2)
+    return running
 
 
 def stop_cluster() -> None:

@@ -203,3 +203,61 @@ async def test_abort_is_pinned_to_the_serving_replica(hf_tokenizer):
     gate.set()
     await drain(engine)
     assert events[-1].finish_reason == "cancelled"
+
+
+class GatedStream(FakeStream):
+    """A FakeStream whose first item waits until `gate` is set (a replica still admitting)."""
+
+    def __init__(self, items: list, gate: asyncio.Event) -> None:
+        super().__init__(items)
+        self.gate = gate
+
+    async def __anext__(self):
+        await self.gate.wait()
+        return await super().__anext__()
+
+
+def _routed(engine: RemoteEngine) -> dict[str, float]:
+    text = engine.metrics.render().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("conveyor:cluster_requests_routed_total{"):
+            out[line.split('replica="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _in_flight(engine: RemoteEngine) -> float:
+    text = engine.metrics.render().decode()
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                      if line.startswith("conveyor:cluster_requests_in_flight ")))
+
+
+@pytest.mark.parametrize("outcome", ["admitted", "refused"])
+async def test_a_request_cancelled_during_admission_is_counted_where_it_was_admitted(
+        hf_tokenizer, outcome):
+    gate = asyncio.Event()
+    first = Admitted(5, "B") if outcome == "admitted" else Error(
+        id="r1", code="overloaded", param=None, message="busy", retryable=True)
+    stream = GatedStream([first], gate)
+    engine, handle = make_engine(hf_tokenizer, [stream])
+    engine.metrics.track_in_flight(lambda: engine.num_unfinished)
+    task = asyncio.ensure_future(engine.add_request(
+        prompt="hello", params={"max_tokens": 3}, request_id="c1/r1", client_id="r1",
+        sink=lambda e: None))
+    for _ in range(500):  # until the request is at the replica (tokenized, sent)
+        await asyncio.sleep(0.01)
+        if handle.generate.calls:
+            break
+    assert handle.generate.calls
+    assert _in_flight(engine) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.num_unfinished == 1 and _in_flight(engine) == 1  # the admission goes on
+    gate.set()
+    await drain(engine)
+    assert _in_flight(engine) == 0
+    if outcome == "admitted":  # counted where it was admitted, and cancelled there
+        assert _routed(engine) == {"B": 1.0} and stream.cancelled
+    else:  # refused: no replica holds it, none counts it
+        assert _routed(engine) == {} and not stream.cancelled

@@ -76,7 +76,7 @@ def check(data: str | bytes) -> None:
         if msg.prompt_token_ids is not None:
             assert all(isinstance(t, int) and t >= 0 for t in msg.prompt_token_ids)
         p = msg.params
-        assert isinstance(p.max_tokens, int) and p.max_tokens >= 1
+        assert p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1)
         # None: unset, the server's default (the model's generation config) applies
         assert p.temperature is None or (math.isfinite(p.temperature) and p.temperature >= 0)
         assert p.top_p is None or 0 < p.top_p <= 1

@@ -77,3 +77,24 @@ def test_sampler_reads_unset_values_as_neutral() -> None:
     t = build_sampling_tensors([SamplingParams(), SamplingParams(temperature=0.0, top_k=3)])
     assert t.temperature.tolist() == [1.0, 0.0] and t.top_k.tolist() == [0, 3]
     assert t.top_p.tolist() == [1.0, 1.0] and t.min_p.tolist() == [0.0, 0.0]
+
+
+def test_max_new_tokens_is_the_default_limit_never_a_cap(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 40, "top_k": 5}')
+    d = load_sampling_defaults("auto", str(tmp_path), SMOL)
+    assert d.max_new_tokens == 40 and d.top_k == 5
+    assert d.apply(SamplingParams(), 10, 8192).max_tokens == 40
+    assert d.apply(SamplingParams(), 8180, 8192).max_tokens == 12  # the context caps it
+    assert d.apply(SamplingParams(), 9000, 8192).max_tokens == 1  # admission then refuses
+    assert d.apply(SamplingParams(max_tokens=500), 10, 8192).max_tokens == 500  # explicit wins
+    assert d.apply(SamplingParams(max_tokens=3), 10, 8192).max_tokens == 3
+    neutral = SamplingDefaults()
+    assert neutral.apply(SamplingParams(), 8180, 8192).max_tokens == 256  # refused, not cut
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingDefaults(max_new_tokens=0)
+
+
+def test_top_k_1_is_warned_of() -> None:
+    assert SamplingDefaults(top_k=1).warnings() and "greedily" in SamplingDefaults(
+        top_k=1).warnings()[0]
+    assert not SamplingDefaults(top_k=2).warnings() and not SamplingDefaults().warnings()

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from service.cli import add_engine_args, engine_config
 from service.config import ModelConfig
+from service.worker.quantization.isa import int8_isa
 from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear,
-                                         calibration_token_ids, cpu_has_vnni,
+                                         calibration_token_ids,
                                          quantize_per_channel, smoothing_factors)
 
 pytestmark = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
@@ -56,7 +57,7 @@ def test_quantize_per_channel_rejects_bad_weights(bad) -> None:
 # is valid on every x86-64 CPU; False (8 bits) only with VNNI: without it fbgemm's int16
 # accumulation saturates (relative error 0.07-0.18 measured on an AVX2-only Zen 3).
 REDUCE_RANGES = [None, True, pytest.param(False, marks=pytest.mark.skipif(
-    not cpu_has_vnni(), reason="8-bit activations saturate fbgemm without VNNI"))]
+    int8_isa().reduce_range, reason="8-bit activations saturate fbgemm without VNNI"))]
 
 
 @pytest.mark.parametrize("reduce_range", REDUCE_RANGES)
@@ -66,7 +67,7 @@ def test_int8_linear_close_to_fp32(per_token, rows, reduce_range) -> None:
     w = _weight(96, 64)
     b = torch.randn(96)
     lin = Int8Linear(w, b, per_token=per_token, reduce_range=reduce_range)
-    assert lin.reduce_range == (not cpu_has_vnni() if reduce_range is None else reduce_range)
+    assert lin.reduce_range == (int8_isa().reduce_range if reduce_range is None else reduce_range)
     assert (lin.in_features, lin.out_features) == (64, 96)
     assert lin.qweight.shape == (96, 64) and lin.scale.shape == (96,)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))

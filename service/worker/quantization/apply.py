@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -91,8 +92,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
         first["lm_head"] = natives[(None, "lm_head")]
     plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
                        batch_invariant, natives=first, fused_rows=fused_rows)
-    plan = LinearPlan(plan.mode, plan.batch_invariant, plan.choices, plan.timings_ms,
-                      plan.errors, plan.unavailable, plan.int4_group, natives)
+    plan = dataclasses.replace(plan, natives=natives)
     log.info("%s\n  (%s)", plan.table(), machine_note())
     if mode == "int8" and plan.all_fp32():
         log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "

@@ -13,6 +13,10 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
   through the layer's own weight, called as the bucket calls it, is within
   ``ERROR_BOUNDS[mode]`` (``relative_errors``; checked every start-up: it also catches a
   broken build).
+- Saturation: every int8 path is also run on worst-case inputs (``saturation``: int8
+  weights of +127 in adjacent input pairs, activations at the top of their range) at each
+  bucket's row count; where its error there exceeds the bound it is not chosen for that
+  bucket (the random check cannot see int16 pair sums that saturate without VNNI).
 - Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
   timed over copies of the weight that together exceed the last-level cache (as a step
   streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
@@ -39,11 +43,14 @@ import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
+from service.worker.quantization.isa import CAP_VARS
 from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
 
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
 from service.worker.quantization.plan import BUCKETS, LinearPlan
+from service.worker.quantization.saturation import (PROBE_N, needs_probe, probe_inputs,
+                                                    saturation_errors)
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +173,12 @@ def default_timer(cls: str, rows: int,
 
 
 def cache_key() -> str:
-    """Hash of what the timings depend on: kernel source, CPU flags, torch, threads."""
+    """Hash of what the timings depend on: kernel source, CPU flags, torch, threads, and
+    the instruction-set caps in the environment (``isa.CAP_VARS``)."""
+    caps = ",".join(f"{k}={os.environ.get(k, '')}" for k in CAP_VARS)
     parts = [qlc.SOURCE.read_bytes(), " ".join(sorted(cpu_flags())).encode(),
              torch.__version__.encode(), str(torch.get_num_threads()).encode(),
-             str(TIMING_VERSION).encode()]
+             str(TIMING_VERSION).encode(), caps.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -274,17 +283,24 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     bound = ERROR_BOUNDS[mode]
     bounds = {p.name: p.bound(mode) for p in usable}
     errors: dict[str, dict[str, tuple[float, float]]] = {}
+    saturation: dict[str, dict[str, tuple[float, ...]]] = {}
     table: dict[str, list[dict[str, float]]] = {}
     choices: dict[str, tuple[str, ...]] = {}
+    retimed: list[str] = []  # "class NxK at R rows", for the start-up log
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
         lw = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
         mine = class_paths(usable, lw, batch_invariant)
         errors[cls] = {p.name: relative_errors(p, lw) for p in mine}
-        correct = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]]
+        saturation[cls] = _probe(cls, weight.shape, [p for p in mine if needs_probe(p)],
+                                 bound)
+        sat = saturation[cls]
+        correct = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]
+                   and min(sat.get(p.name, (0.0,))) <= bound]
         if not correct:
             raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
-                             f"{cls} {tuple(weight.shape)}: {errors[cls]}")
+                             f"{cls} {tuple(weight.shape)}: {errors[cls]}; worst-case "
+                             f"inputs: {sat}")
         table[cls], picked = [], []
         copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
         for b, rows in enumerate(BUCKETS):
@@ -292,7 +308,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 table[cls].append({})  # not timed: served as the bucket below
                 picked.append(picked[-1])
                 continue
-            err = {n: e[0 if rows == 1 else 1] for n, e in errors[cls].items()}
+            err = {n: max(e[0 if rows == 1 else 1], sat[n][b] if n in sat else 0.0)
+                   for n, e in errors[cls].items()}
             keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
                              f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
                     for p in correct if err[p.name] <= bounds[p.name] and rows >= p.min_rows}
@@ -308,6 +325,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                     fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
                     return [lambda f=f: f(x) for f in fns]
 
+                retimed.append(f"{cls} {weight.shape[0]}x{weight.shape[1]} at {rows} rows")
                 got = (timer or default_timer)(cls, rows, {p.name: functools.partial(make, p)
                                                            for p in missing})
                 timings.update({keys[p.name]: got[p.name] for p in missing})
@@ -324,6 +342,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
         copies.clear()
         choices[cls] = tuple(picked)
         del lw
+    _log_cache_use(use_cache, cached, retimed)
     if use_cache and timings != cached:
         if busy:
             log.warning("the machine was busy while linear kernels were timed (load average "
@@ -334,4 +353,32 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
             _save_cache(timings)
     return LinearPlan(mode, batch_invariant, choices, table, errors,
                       {k: v for k, v in problems.items() if v is not None},
-                      int4_group=int4_group)
+                      int4_group=int4_group, saturation=saturation)
+
+
+def _log_cache_use(use_cache: bool, cached: Mapping[str, float], retimed: list[str]) -> None:
+    """The start-up log line on the timing cache: used or not, and what was re-timed."""
+    if not use_cache:
+        where = "not used (use_cache=False)"
+    elif cached:
+        where = f"{_cache_path()} ({len(cached)} timings found)"
+    else:
+        where = f"{_cache_path()} (none found: everything is timed)"
+    log.info("linear kernel timing cache: %s; re-timed: %s", where,
+             ", ".join(retimed) if retimed else "nothing (every timing came from the cache)")
+
+
+def _probe(cls: str, shape: torch.Size, paths: Sequence[LinearPath],
+           bound: float) -> dict[str, tuple[float, ...]]:
+    """path -> its error on the worst-case inputs per bucket (``saturation_errors``), and a
+    warning for each path that saturates at some bucket (it is not chosen there)."""
+    n, k = shape
+    inputs = probe_inputs(min(n, PROBE_N), k, max(BUCKETS))
+    out = {p.name: saturation_errors(p, k, n, inputs=inputs) for p in paths}
+    for name, errs in out.items():
+        bad = [rows for rows, e in zip(BUCKETS, errs) if not e <= bound]
+        if bad and not (cls == LM_HEAD and bad == [BUCKETS[-1]]):
+            log.warning("int8 path %s saturates on worst-case inputs for %s %s at rows %s "
+                        "(error up to %.3f > %s): not used there", name, cls, tuple(shape),
+                        bad, max(errs), bound)
+    return out

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
 from service.worker.quantization.linear import DenseLinear
-from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni
+from service.worker.quantization.isa import int8_isa
+from service.worker.quantization.torch_int8 import Int8Linear
 
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
@@ -328,8 +329,9 @@ def bf16_hardware() -> str | None:
 
 
 def machine_note() -> str:
-    """One line on what decides the paths here (VNNI, bf16 hardware, C++ builds)."""
+    """One line on what decides the paths here (the int8 ISA in force, bf16 hardware, C++
+    builds)."""
     isas = qlc.available_isas()
-    return (f"VNNI {'yes' if cpu_has_vnni() else 'no (fbgemm uses 7-bit activations)'}; "
-            f"bf16 {bf16_hardware() or 'emulated (no AMX / AVX512-BF16)'}; "
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+            f"{int8_isa().note()}; bf16 {bf16_hardware() or 'emulated (no AMX / AVX512-BF16)'}; "
             f"C++ builds: {', '.join(isas) if isas else 'none'}")

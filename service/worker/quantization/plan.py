@@ -89,6 +89,8 @@ class LinearPlan:
     natives: (layer index or None for the LM head, class) -> the checkpoint's own blocks of
         that layer (auto on a GGUF file), used by ``make_linear``; emptied once the model's
         layers are made (``without_natives``).
+    saturation: class -> int8 path -> relative error per bucket on worst-case inputs
+        (``saturation.saturation_errors``); above the mode's bound a path is not chosen.
     """
 
     mode: str
@@ -99,6 +101,7 @@ class LinearPlan:
     unavailable: Mapping[str, str] = field(default_factory=dict)
     int4_group: int | None = None
     natives: Mapping[tuple[int | None, str], BlockWeight] = field(default_factory=dict)
+    saturation: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
 
     def without_natives(self) -> LinearPlan:
         """The plan without its natives (their unpacked values are not kept once packed)."""
@@ -158,6 +161,10 @@ class LinearPlan:
                 lines.append(f"  {cls:<8} {BUCKETS[b]:>4} rows: {cells}")
             lines.append(f"  {cls:<8} error vs fp32 (1 row / 8 rows): "
                          + " ".join(f"{n} {e1:.4f}/{e8:.4f}" for n, (e1, e8) in errs.items()))
+            if self.saturation.get(cls):
+                lines.append(f"  {cls:<8} error on worst-case int8 inputs per bucket: " + " ".join(
+                    f"{n} {'/'.join(f'{e:.4f}' for e in es)}"
+                    for n, es in self.saturation[cls].items()))
         for name, why in self.unavailable.items():
             lines.append(f"  not available: {name}: {why}")
         return "\n".join(lines)

@@ -12,7 +12,8 @@ Efficient Integer-Arithmetic-Only Inference", CVPR 2018):
   range (per tensor), multiplied in int8 x uint8 -> int32 and rescaled to fp32
   (`torch.ops.quantized.linear_dynamic`), bias added in fp32. Without VNNI fbgemm
   accumulates pairs in int16 and can saturate: activations then take 7 bits
-  (`reduce_range`), which costs accuracy.
+  (`reduce_range`), which costs accuracy. Whether VNNI is in force is the instruction
+  set fbgemm runs, caps in the environment included (`isa.int8_isa`), not the CPU flag.
 - per token (`per_token=True`): each row gets its own int8 scale and the product runs in
   `torch._int_mm` (int8 x int8 -> int32), so one row with a huge activation does not ruin
   the others; fast only on CPUs with VNNI (20-50x slower than fp32 on AVX2-only CPUs).
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.linear import check_weight
 
 _ENGINE = "fbgemm"
@@ -68,8 +70,10 @@ class Int8Linear:
         per_token: one int8 scale per row of x (symmetric, `torch._int_mm`) instead of
             one uint8 range for the whole x (fbgemm's `linear_dynamic`). A single row is
             always done by fbgemm: per tensor is then per token.
-        reduce_range: quantize fbgemm's activations to 7 bits, needed on CPUs without
-            VNNI whose int16 accumulation can saturate; None: only on such CPUs.
+        reduce_range: quantize fbgemm's activations to 7 bits, needed where fbgemm runs
+            without VNNI (its int16 accumulation can saturate); None: decided by the
+            instruction set in force (``isa.int8_isa().reduce_range``: the CPU's flags
+            and the caps FBGEMM_ENABLE_INSTRUCTIONS / ATEN_CPU_CAPABILITY).
 
     Raises:
         ValueError: a weight not on the CPU, bad shapes.
@@ -89,7 +93,7 @@ class Int8Linear:
         q, self.scale = quantize_per_channel(weight)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.per_token = per_token
-        self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
+        self.reduce_range = int8_isa().reduce_range if reduce_range is None else reduce_range
         self.out_features, self.in_features = weight.shape
         # _int_mm multiplies [T, in] by [in, out]; keep that copy and view it as [out, in]
         self._qweight_t = q.t().contiguous() if per_token else None
@@ -150,7 +154,8 @@ def _quantized_engine(name: str) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI or AVX-VNNI (Linux /proc/cpuinfo; False when unknown)."""
+    """Whether this CPU has AVX-512 VNNI or AVX-VNNI (Linux /proc/cpuinfo; False when unknown).
+    Only the CPU: what the kernels run, caps included, is ``isa.int8_isa``."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
