@@ -157,7 +157,9 @@ class KernelLibrary:
             if self._lib is not None:
                 return self._lib
             if self._error is not None:
-                raise self._error
+                # a new exception each time: re-raising the stored one would grow its
+                # traceback by every caller's frames (and keep them, runners included, alive)
+                raise KernelBuildError(str(self._error))
             try:
                 if not self.kernel.runs_here():
                     missing = ", ".join(sorted(self.kernel.requires - cpu_flags()))
@@ -167,11 +169,11 @@ class KernelLibrary:
                 lib = ctypes.CDLL(str(path))
                 self._setup(lib)
             except KernelBuildError as e:
-                self._error = e
+                self._error = KernelBuildError(str(e))  # no traceback: it would pin frames
                 raise
             except (OSError, AttributeError) as e:
                 self._error = KernelBuildError(f"loading {self.kernel.name} failed: {e}")
-                raise self._error from e
+                raise KernelBuildError(str(self._error)) from e
             self._lib = lib
             return lib
 

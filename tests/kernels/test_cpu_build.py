@@ -99,3 +99,30 @@ def test_cpu_flags_read_from_cpuinfo() -> None:
     import platform
     if platform.machine() == "x86_64" and flags:
         assert "sse2" in flags  # every x86-64 CPU
+
+
+def test_a_remembered_failure_keeps_no_caller_alive(kernel) -> None:
+    # Re-raising one stored exception grew its traceback by every caller's frames, which
+    # kept each caller's locals (whole model runners) alive: 24 GB into the test suite.
+    import gc
+    import weakref
+
+    lib = KernelLibrary(CppKernel("absent", kernel.source, kernel.cxx_flags,
+                                  frozenset({"no-such-cpu-flag"})), _setup)
+
+    class Owner:
+        pass
+
+    def caller(owner: Owner) -> None:
+        with pytest.raises(KernelBuildError, match="no-such-cpu-flag"):
+            lib.load()
+
+    refs = []
+    for _ in range(3):
+        owner = Owner()
+        refs.append(weakref.ref(owner))
+        caller(owner)
+        del owner
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert lib.problem() is not None
