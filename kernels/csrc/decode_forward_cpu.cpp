@@ -103,6 +103,14 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, f
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
 }
 
+// residual += h, then y = rmsnorm(residual) * w (one row of n floats).
+inline void add_norm_row(float* residual, const float* h, const float* w, float eps, int64_t n,
+                         float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] += h[i];
+  rms_norm_row(residual, w, eps, n, y);
+}
+
 // Rotate-half rotary embedding in place on `heads` heads of D: (x1 c - x2 s, x2 c + x1 s).
 inline void rotate_row(float* v, int64_t heads, int64_t D, const float* c, const float* s) {
   const int64_t half = D / 2;
@@ -197,11 +205,7 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
     const ConveyorLayer& L = md.layers[li];
     if (li > 0)
       for_rows(M, threads, [&](int64_t m) {
-        float* r = residual + m * H;
-        const float* hm = h + m * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) r[i] += hm[i];
-        rms_norm_row(r, L.ln1, md.eps, H, x + m * H);
+        add_norm_row(residual + m * H, h + m * H, L.ln1, md.eps, H, x + m * H);
       });
     if ((rc = linear(L.qkv, x, H, M, qkv, threads)) != 0) return 20 + rc;
     float* k_cache = L.kv;
@@ -222,11 +226,7 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
     if (rc != 0) return 10 + rc;
     if ((rc = linear(L.o, attn, Hq * D, M, h, threads)) != 0) return 20 + rc;
     for_rows(M, threads, [&](int64_t m) {
-      float* r = residual + m * H;
-      const float* hm = h + m * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) r[i] += hm[i];
-      rms_norm_row(r, L.ln2, md.eps, H, x + m * H);
+      add_norm_row(residual + m * H, h + m * H, L.ln2, md.eps, H, x + m * H);
     });
     if ((rc = linear(L.gate_up, x, H, M, gu, threads)) != 0) return 20 + rc;
     for_rows(M, threads, [&](int64_t m) { silu_mul_row(gu + m * 2 * I, I, act + m * I); });
@@ -236,11 +236,7 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
   const int64_t S = st.num_logits;
   for (int64_t i = 0; i < S; ++i) {
     const int64_t m = st.logits_rows[i];
-    float* r = residual + m * H;
-    const float* hm = h + m * H;
-#pragma omp simd
-    for (int64_t j = 0; j < H; ++j) r[j] += hm[j];
-    rms_norm_row(r, md.norm, md.eps, H, x + i * H);
+    add_norm_row(residual + m * H, h + m * H, md.norm, md.eps, H, x + i * H);
   }
   if (S > 0 && (rc = linear(md.lm_head, x, H, S, st.logits, threads)) != 0) return 20 + rc;
   return 0;
