@@ -10,6 +10,7 @@ import torch
 from kernels import quant_linear_cpu as qlc
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
 from service.worker.gguf_weights import linear_weights_of
+from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.paths import PATHS
 from service.worker.quantization.plan import LinearPlan
 from tests.integration.test_int8 import CLASSES, PROMPTS, TEXT, _check_follows_plan
@@ -22,6 +23,12 @@ BOUNDS = {"none": (0.9999, 0.95), "int8": (0.98, 0.7), "int4": (0.98, 0.65)}
 # auto's native paths serve the GGUF's own weights (summation order only); bf16 rounds
 # weights and activations to 8 significant bits.
 BOUNDS_OF = {"bf16": (0.99, 0.8)}
+if int8_isa().reduce_range:
+    # fbgemm without VNNI in force quantizes activations to 7 bits, with one range per call
+    # over the whole 66-token chunk: measured on AVX2 (Zen 3) cosine 0.9805, agreement
+    # 0.697 (46 of 66 tokens), on the edge of int8's (0.98, 0.7). The server never picks it
+    # for many-row calls (the per-tensor range is refused there); this only checks it runs.
+    BOUNDS_OF["fbgemm"] = (0.97, 0.6)
 AUTO_EXACT = (0.9999, 0.95)
 
 
