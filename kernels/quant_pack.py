@@ -14,6 +14,10 @@ Five formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   weight; Q4_0, ``d (q - 8)``, is this with min = -8 d, exact in fp16);
 - ``q8_0``: ``W[n, k] = d[n, g] * q[n, k]``, q int8 in [-127, 127], d fp16 per group of
   ``group`` input channels: GGUF's Q8_0 block at group 32 (8.5 bits a weight).
+- ``q4_1x8``, ``q8_0x8``: q4_1's and q8_0's weights, with x quantized to int8 per row and
+  group (``quantize_activations``) and multiplied in integers (llama.cpp's AVX2 dot
+  products over Q8 activation blocks): not the fp32 product of the weights, but within
+  int8 rounding of it.
 
 q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
 ``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
@@ -26,13 +30,18 @@ k as one vector, and one row streams through each block sequentially.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0")
-HALF_SCALE_FORMATS = ("q4_1", "q8_0")
+FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8")
+HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8")
 """Formats whose scale (and min) tensors are float16."""
+ACT8_FORMATS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}
+"""Formats that quantize the activations to int8 per row and weight group (as llama.cpp's
+Q8 activation blocks), over the weights of the format named: the same packed tensors
+(``with_int8_activations``). See ``quantize_activations``."""
 PAD = 64
 """Output channels are padded to a multiple of this, and stored in blocks of this many."""
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -283,6 +292,8 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     int8: q * scale (one rounding); int4, q4_1: d * q + min, rounded once (as the kernel's
     fma); q8_0: d * q (exact).
     """
+    if packed.fmt in ACT8_FORMATS:  # the same weights
+        packed = dataclasses.replace(packed, fmt=ACT8_FORMATS[packed.fmt])
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
     if packed.fmt == "f32":
@@ -301,10 +312,57 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     return (q * d + m).float()
 
 
+def with_int8_activations(packed: PackedWeight) -> PackedWeight:
+    """The q4_1 / q8_0 weight `packed` as ``q4_1x8`` / ``q8_0x8`` (int8 activations), sharing
+    its tensors. Raises ValueError for another format, or K not a multiple of the group."""
+    fmt = {v: k for k, v in ACT8_FORMATS.items()}.get(packed.fmt)
+    if fmt is None:
+        raise ValueError(f"int8 activations serve q4_1 and q8_0 weights, not {packed.fmt}")
+    if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
+        raise ValueError(f"int8 activations need K ({packed.in_features}) a multiple of an "
+                         f"even group ({packed.group})")
+    return dataclasses.replace(packed, fmt=fmt)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 (K a multiple of `group`) -> (q [M, K] int8 in [-127, 127],
+    d [M, K / group] float32) with ``x ~= d * q`` per group: d = max |x| / 127 over the
+    group, q = round-half-even(x * (1 / d)), 0 for an all-zero group. The C++ kernel's
+    rounding, bit for bit (fp32 throughout)."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group, group)
+    amax = xg.abs().amax(-1)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(m, k), d
+
+
 def quant_linear_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """The torch reference of the kernel: x [M, K] float32 -> [M, N] float32, computed in
-    float64 from `unpack(packed)` (so it differs from the kernel by fp32 rounding only)."""
+    float64 from `unpack(packed)` (so it differs from the kernel by fp32 rounding only).
+    For the int8-activation formats the product is the kernel's: the weight's d * q times
+    the quantized activations, plus (q4_1x8) each group's min times the sum of x itself."""
+    if packed.fmt in ACT8_FORMATS:
+        return _act8_ref(x, packed)
     y = x.double() @ unpack(packed).double().t()
     if packed.bias is not None:
         y += packed.bias[:packed.out_features].double()
+    return y.float()
+
+
+def _act8_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    n, k, g = packed.out_features, packed.in_features, packed.group
+    q, d = quantize_activations(x, g)
+    xq = (q.double().reshape(-1, k // g, g) * d.double()[..., None]).reshape(-1, k)
+    base = dataclasses.replace(packed, fmt=ACT8_FORMATS[packed.fmt])
+    y = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    if base.minv is not None:  # W = d q + min: the min term over x itself
+        g_of_k = torch.arange(k) // g
+        mins = base.minv.movedim(-1, 1).reshape(base.padded_out, -1)[:n, g_of_k].double()
+        y += x.double() @ mins.t()
+        base = dataclasses.replace(base, minv=torch.zeros_like(base.minv))  # d q: exact
+    y += xq @ unpack(base).double().t()
+    if packed.bias is not None:
+        y += packed.bias[:n].double()
     return y.float()

@@ -45,6 +45,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -127,6 +128,7 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 #endif
 
 enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4 };
+constexpr int kAct8Offset = 2;  // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41; }
 constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80; }
 constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80; }
@@ -423,6 +425,213 @@ void run(const Problem& pb, int num_threads) {
   }
 }
 
+// ---- int8 activations (fmt 5: q4_1 weights, fmt 6: q8_0 weights) ----------------------
+// As llama.cpp's AVX2 dot products (ggml's Q8 activation blocks), x is quantized per row
+// and per weight group of 32 (any even group dividing K): dx[m, g] = max |x| / 127 over the
+// group, qx = round-half-even(x * (1 / dx)) in [-127, 127] (0 where the group is 0). The
+// weight's integers meet qx in integer arithmetic, exact, and one output element is
+//   acc = 0;  for each group g in order:
+//     acc = fma(float(isum[g]), dw[n, g] * dx[m, g], acc)        isum = sum_k qw * qx (exact)
+//     q4_1 only: acc = fma(xsum[m, g], min[n, g], acc)           xsum: fp32 sum of x, k in order
+//   y = acc (+ bias[n])
+// with dw, min converted from fp16 exactly. Integers are exact and the float operations
+// are the same for every row count, thread count and both builds (these loops use AVX2
+// integer instructions in both): batch-invariant and bit-identical across builds.
+// q4_1 x int8: _mm256_maddubs_epi16 multiplies the unsigned nibbles (0..15) by qx and adds
+// each channel's pair (k, k + 1); 8 pairs sum in int16 (8 * 2 * 15 * 127 = 30480 < 2^15)
+// before widening to int32. q8_0 x int8: the weights are widened to int16 and
+// _mm256_madd_epi16 sums each channel's pair in int32 (no int16 bound to respect).
+// A work item is a strip of 32 channels (half a block of 64) for a block of rows.
+
+struct Act8 {
+  std::vector<int8_t> q;     // [M, K] qx
+  std::vector<int16_t> q16;  // [M, K] qx widened (q8_0 weights)
+  std::vector<float> d;      // [M, groups] dx
+};
+
+inline void quantize_rows(const Problem& pb, bool wide, Act8& a) {
+  const int64_t M = pb.M, K = pb.K, G = pb.groups;
+  a.q.assign(static_cast<size_t>(M * K), 0);
+  a.d.assign(static_cast<size_t>(M * G), 0.f);
+  if (wide) a.q16.assign(static_cast<size_t>(M * K), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* x = pb.x + m * pb.x_stride + g * pb.group;
+      float amax = 0.f;
+      for (int64_t k = 0; k < pb.group; ++k) amax = std::max(amax, std::fabs(x[k]));
+      const float d = amax / 127.f, id = amax > 0.f ? 1.f / d : 0.f;
+      a.d[m * G + g] = d;
+      int8_t* q = a.q.data() + m * K + g * pb.group;
+      for (int64_t k = 0; k < pb.group; ++k) {
+        const long v = std::lrintf(x[k] * id);  // the default rounding: half to even
+        q[k] = static_cast<int8_t>(std::min(127L, std::max(-127L, v)));
+      }
+      if (wide)
+        for (int64_t k = 0; k < pb.group; ++k) a.q16[m * K + g * pb.group + k] = q[k];
+    }
+}
+
+// acc[c8] (channels 8 c8 .. 8 c8 + 7 of the strip) += float(isum[c8]) * (dw * dx)
+// (+ xsum * min for q4_1): the per-group float step, the same ops in both builds.
+template <int Fmt>
+inline void group_step(const Problem& pb, int64_t strip, int64_t g, float dx, float xs,
+                       const __m256i (&isum)[4], __m256 (&acc)[4]) {
+  const int64_t off = ((strip >> 1) * pb.groups + g) * 64 + (strip & 1) * 32;
+  const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+  const __m256 vdx = _mm256_set1_ps(dx);
+  for (int c = 0; c < 4; ++c) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8 * c)));
+    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(d, vdx), acc[c]);
+  }
+  if constexpr (Fmt == 3) {
+    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+    const __m256 vxs = _mm256_set1_ps(xs);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8 * c)));
+      acc[c] = _mm256_fmadd_ps(vxs, m, acc[c]);
+    }
+  }
+}
+
+// isum[r][c8] = sum over group g's k of qw(n, k) * qx(row r, k) for the strip's 32
+// channels and R rows (qx[r]: row r's quantized x): each weight vector is unpacked once
+// for all R rows.
+template <int R>
+inline void isums_q4(const Problem& pb, int64_t strip, int64_t g, const int8_t* const (&qx)[R],
+                     __m256i (&isum)[R][4]) {
+  const int64_t pairs = pb.K / 2;
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w) + (strip >> 1) * pairs * 64 + (strip & 1) * 32;
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) isum[r][c] = _mm256_setzero_si256();
+  const int64_t j0 = g * pb.group / 2, j1 = j0 + pb.group / 2;
+  for (int64_t j = j0; j < j1; j += 8) {
+    __m256i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+    const int64_t je = std::min(j1, j + 8);
+    for (int64_t i = j; i < je; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * 64));
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+      for (int r = 0; r < R; ++r) {
+        int16_t pair;
+        std::memcpy(&pair, qx[r] + 2 * i, 2);
+        const __m256i xp = _mm256_set1_epi16(pair);
+        s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(a, xp));
+        s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(b, xp));
+      }
+    }
+    // s0: channels 0-7 | 16-23, s1: 8-15 | 24-31 (unpack works within 128-bit lanes)
+    for (int r = 0; r < R; ++r) {
+      isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s0[r])));
+      isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(s1[r])));
+      isum[r][2] = _mm256_add_epi32(isum[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s0[r], 1)));
+      isum[r][3] = _mm256_add_epi32(isum[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s1[r], 1)));
+    }
+  }
+}
+
+template <int R>
+inline void isums_q8(const Problem& pb, int64_t strip, int64_t g, const int16_t* const (&qx)[R],
+                     __m256i (&isum)[R][4]) {
+  const int8_t* w = static_cast<const int8_t*>(pb.w) + (strip >> 1) * pb.K * 64 + (strip & 1) * 32;
+  __m256i t[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) t[r][c] = _mm256_setzero_si256();
+  const int64_t k1 = (g + 1) * pb.group;
+  for (int64_t k = g * pb.group; k < k1; k += 2) {
+    const int8_t* r0 = w + k * 64;
+    const int8_t* r1 = r0 + 64;
+    __m256i wv[4];
+    for (int h = 0; h < 2; ++h) {  // channels 16 h .. 16 h + 15
+      const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 16 * h)));
+      const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + 16 * h)));
+      // lo: channels 0-3 | 8-11, hi: 4-7 | 12-15 of these 16, as (k, k + 1) int16 pairs
+      wv[2 * h] = _mm256_unpacklo_epi16(a, b);
+      wv[2 * h + 1] = _mm256_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, qx[r] + k, 4);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      for (int c = 0; c < 4; ++c) t[r][c] = _mm256_add_epi32(t[r][c], _mm256_madd_epi16(wv[c], xp));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      isum[r][2 * h] = _mm256_permute2x128_si256(t[r][2 * h], t[r][2 * h + 1], 0x20);      // 0-7
+      isum[r][2 * h + 1] = _mm256_permute2x128_si256(t[r][2 * h], t[r][2 * h + 1], 0x31);  // 8-15
+    }
+}
+
+// Rows m0 .. m0+R-1 of one strip: every group's integer sums, the float steps, the bias.
+template <int Fmt, int R>
+void strip_tile(const Problem& pb, const Act8& a, int64_t strip, int64_t m0) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    __m256i isum[R][4];
+    if constexpr (Fmt == 3) {
+      const int8_t* qx[R];
+      for (int r = 0; r < R; ++r) qx[r] = a.q.data() + (m0 + r) * pb.K;
+      isums_q4<R>(pb, strip, g, qx, isum);
+    } else {
+      const int16_t* qx[R];
+      for (int r = 0; r < R; ++r) qx[r] = a.q16.data() + (m0 + r) * pb.K;
+      isums_q8<R>(pb, strip, g, qx, isum);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const float xs = Fmt == 3 ? pb.xsum[m * pb.groups + g] : 0.f;
+      group_step<Fmt>(pb, strip, g, a.d[m * pb.groups + g], xs, isum[r], acc[r]);
+    }
+  }
+  const int64_t n0 = strip * 32;
+  const int64_t valid = std::min<int64_t>(32, pb.N - n0);
+  if (valid <= 0) return;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[32];
+    for (int c = 0; c < 4; ++c) {
+      __m256 v = acc[r][c];
+      if (pb.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(pb.bias + n0 + 8 * c));
+      _mm256_store_ps(out + 8 * c, v);
+    }
+    std::memcpy(pb.y + (m0 + r) * pb.y_stride + n0, out, static_cast<size_t>(valid) * sizeof(float));
+  }
+}
+
+// Rows a tile shares each unpacked weight vector over (register budget: q4_1 keeps 2 int16
+// sums a row, q8_0 4 int32 sums a row, in 16 ymm registers).
+template <int Fmt>
+constexpr int kAct8Tile = Fmt == 3 ? 4 : 2;
+
+template <int Fmt>
+void strip_rows(const Problem& pb, const Act8& a, int64_t strip, int64_t m0, int64_t m1) {
+  constexpr int T = kAct8Tile<Fmt>;
+  int64_t m = m0;
+  for (; m + T <= m1; m += T) strip_tile<Fmt, T>(pb, a, strip, m);
+  for (; m + 2 <= m1 && T > 2; m += 2) strip_tile<Fmt, 2>(pb, a, strip, m);
+  for (; m < m1; ++m) strip_tile<Fmt, 1>(pb, a, strip, m);
+}
+
+// Rows per work item: a few, so that a strip's weights are reused from L1 across them.
+constexpr int64_t kAct8Rows = 8;
+
+template <int Fmt>
+void run_act8(const Problem& pb, int num_threads) {
+  Act8 a;
+  quantize_rows(pb, Fmt == 4, a);
+  const int64_t strips = pb.Np / 32, blocks = (pb.M + kAct8Rows - 1) / kAct8Rows;
+  const int64_t items = strips * blocks;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t s = i / blocks, m0 = i % blocks * kAct8Rows;
+    strip_rows<Fmt>(pb, a, s, m0, std::min(pb.M, m0 + kAct8Rows));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -432,11 +641,18 @@ const char* conveyor_qlinear_isa() { return kIsa; }
 // y = x @ W^T (+ bias) for a packed W (layouts above). Returns 0, or 1 (nothing written) for
 // an unknown format, a non-positive size, Np not a multiple of 64 or below N, an odd or
 // non-positive int4 group, or x / y rows closer than K / N elements.
-// fmt: 0 fp32, 1 int8, 2 int4, 3 q4_1, 4 q8_0 (scale / minv then point at fp16 data).
+// fmt: 0 fp32, 1 int8, 2 int4, 3 q4_1, 4 q8_0 (scale / minv then point at fp16 data);
+// 5 q4_1 and 6 q8_0 weights with int8 activations (above: the same packed weights; K a
+// multiple of the group, else code 1).
 int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      int64_t Np, const void* w, const float* scale, const float* minv,
                      int64_t group, const float* bias, float* y, int64_t y_stride,
                      int num_threads) {
+  const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
+  if (act8) {
+    fmt -= kAct8Offset;
+    if (group <= 0 || group % 2 != 0 || K % group != 0) return 1;
+  }
   if (fmt < kF32 || fmt > kQ80 || M < 0 || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       x_stride < K || y_stride < N || num_threads <= 0 ||
       (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0))
@@ -453,6 +669,13 @@ int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64
     }
   const Problem pb{x, x_stride, M, K, N, Np, w, scale, minv, group, groups, xsum.data(), bias,
                    y, y_stride};
+  if (act8) {
+    if (fmt == kQ41)
+      run_act8<kQ41>(pb, num_threads);
+    else
+      run_act8<kQ80>(pb, num_threads);
+    return 0;
+  }
   switch (fmt) {
     case kF32: run<kF32>(pb, num_threads); break;
     case kI8: run<kI8>(pb, num_threads); break;
@@ -469,6 +692,7 @@ int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64
 int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* minv,
                       int64_t group, int64_t K, int64_t N, int64_t Np, float* out,
                       int num_threads) {
+  if (fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset) fmt -= kAct8Offset;  // same weights
   if (fmt < kF32 || fmt > kQ80 || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0))
     return 1;

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--quantization", default="none", metavar="LIST",
-                   help="comma-separated variants among none, int8, int4, auto (e.g. "
+                   help="comma-separated variants among none, int8, int4, auto, auto-a8 (e.g. "
                         "none,int4,auto)")
     p.add_argument("--batch-invariant", default="off", metavar="LIST",
                    help="comma-separated variants among off, on (e.g. off,on to measure what "
@@ -102,8 +102,9 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
     for q in a.quantization.split(","):
-        if q.strip() not in ("none", "int8", "int4", "auto"):
-            raise ValueError(f"--quantization values must be none, int8, int4 or auto, got {q!r}")
+        if q.strip() not in ("none", "int8", "int4", "auto", "auto-a8"):
+            raise ValueError(f"--quantization values must be none, int8, int4, auto or auto-a8, "
+                             f"got {q!r}")
         quants.append(None if q.strip() == "none" else q.strip())
     kernels = [k.strip() for k in a.cpu_decode_kernel.split(",")]
     if any(k not in ("auto", "cpp", "sdpa") for k in kernels) or len(set(kernels)) < len(kernels):

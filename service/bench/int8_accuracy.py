@@ -151,7 +151,7 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.bench.int8_accuracy",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="int8", choices=["int8", "int4", "auto"],
+    p.add_argument("--mode", default="int8", choices=["int8", "int4", "auto", "auto-a8"],
                    help="the --quantization to compare with fp32")
     p.add_argument("--prompts", type=int, default=20, metavar="N",
                    help="chat prompts whose greedy continuations are compared (default 20)")

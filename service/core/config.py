@@ -58,7 +58,9 @@ class ModelConfig:
         weights through F.linear: the correctness oracle), "int8" (int8 weights; each layer
         and row count served by the fastest correct of our C++ kernels, fbgemm's dynamic
         int8, torch._int_mm and fp32, measured on the machine) or "int4" (4-bit group-wise
-        weights, our C++ kernels). int8 / int4: CPU, dtype float32.
+        weights, our C++ kernels) or "auto-a8" (auto's weights, and paths that multiply
+        them by int8 activations per group of 32, as llama.cpp does on the CPU: faster,
+        lossy). int8 / int4 / auto-a8: CPU, dtype float32.
     cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
         kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
         it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
@@ -102,7 +104,9 @@ class ModelConfig:
         "count on the fastest weight-only kernel measured; none = dense fp32 weights through "
         "F.linear (the oracle); int8 = int8 weights (the fastest correct of our C++ kernels, "
         "fbgemm, torch._int_mm and fp32, measured per machine and row count); int4 = 4-bit "
-        "weights in groups of 32 (our C++ kernels)", choices=("auto", "none", "int8", "int4"),
+        "weights in groups of 32 (our C++ kernels); auto-a8 = auto's weights, int8 "
+        "activations allowed where faster (llama.cpp's CPU numerics: not exact)",
+        choices=("auto", "auto-a8", "none", "int8", "int4"),
         none="none")
     cpu_decode_kernel: str = option(
         "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
@@ -150,8 +154,8 @@ class ModelConfig:
                self.adaptive_threads)
         _check(isinstance(self.generation_config, str) and self.generation_config != "",
                "generation_config", '"auto", "vllm" or a path', self.generation_config)
-        _check(self.quantization in (None, "auto", "int8", "int4"), "quantization",
-               '"auto", None, "int8" or "int4"', self.quantization)
+        _check(self.quantization in (None, "auto", "auto-a8", "int8", "int4"), "quantization",
+               '"auto", "auto-a8", None, "int8" or "int4"', self.quantization)
         _check(self.quantization in (None, "auto") or (self.dtype == "float32"
                                                        and self.device == "cpu"),
                "quantization", 'auto or none unless dtype is "float32" and device "cpu"',

@@ -109,7 +109,7 @@ class ModelRunner:
         if self.quantization is not None or mc.batch_invariant:
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
-                if self.quantization == "auto" else None
+                if self.quantization in ("auto", "auto-a8") else None
             # Decode-sized buckets (up to 16 rows) lean to the C++ kernels that the fused
             # forward can call, where it will run.
             fusing = (self.device.type == "cpu" and self.decode_kernel == "cpp"

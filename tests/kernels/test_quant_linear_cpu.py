@@ -10,18 +10,23 @@ import pytest
 import torch
 
 from kernels import quant_linear_cpu as qlc
-from kernels.quant_pack import (FORMATS, PackedWeight, pack_f32, pack_int4, pack_int8,
-                                pack_q4_1, pack_q4_1_blocks, pack_q8_0, pack_q8_0_blocks,
-                                quant_linear_ref, quantize_int4, unpack)
+from kernels.quant_pack import (ACT8_FORMATS, FORMATS, PackedWeight, pack_f32, pack_int4,
+                                pack_int8, pack_q4_1, pack_q4_1_blocks, pack_q8_0,
+                                pack_q8_0_blocks, quant_linear_ref, quantize_activations,
+                                quantize_int4, unpack, with_int8_activations)
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
     qlc.isa_problem(isa) is not None, reason=f"{isa} build unavailable: {qlc.isa_problem(isa)}"))
     for isa in qlc.VARIANTS]
-SHAPES = [(1, 1), (17, 3), (100, 37), (64, 130), (130, 64), (960, 576)]
+SHAPES = [(1, 1), (17, 3), (100, 37), (64, 130), (130, 64), (100, 96), (960, 576)]
 ROWS = [1, 7, 16, 64, 300]
 
 
 def _pack(fmt: str, w: torch.Tensor, b: torch.Tensor | None, group: int = 32) -> PackedWeight:
+    if fmt in ACT8_FORMATS:  # int8 activations over q4_1 / q8_0 weights
+        if w.shape[1] % group:
+            pytest.skip(f"{fmt} needs K a multiple of the group ({w.shape[1]}, {group})")
+        return with_int8_activations(_pack(ACT8_FORMATS[fmt], w, b, group))
     if fmt == "f32":
         return pack_f32(w, b)
     if fmt == "q4_1":
@@ -220,3 +225,51 @@ def test_packed_sizes() -> None:
     assert p.scale.shape == (2, 2, 64) and p.nbytes * 8 / (128 * 64) == 5.0
     p = pack_q8_0(torch.randn(128, 64))
     assert p.data.dtype == torch.int8 and p.minv is None and p.nbytes * 8 / (128 * 64) == 8.5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(ACT8_FORMATS))
+@pytest.mark.parametrize("group", [32, 64])
+def test_act8_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -> None:
+    """The x8 formats compute the weight's integers times x rounded to int8 per row and
+    group, exactly as the reference (float64 over the same integers); that product is
+    within int8 rounding of the fp32-activation one (relative error far below 0.04), and
+    the same rows give the same bits in every call (1 to 300 rows, tiles of 4 / 2 / 1)."""
+    w, b, x = _data(150, 256, max(ROWS), seed=group)
+    x[3, 7] = 60.0  # an outlier channel in one group of one row
+    packed = _pack(fmt, w, b, group)
+    assert packed.fmt == fmt
+    y = qlc.quant_linear(x, packed, isa)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = quant_linear_ref(x, _pack(ACT8_FORMATS[fmt], w, b, group))
+    assert float((y - exact).norm() / exact.norm()) < 0.02
+    for rows in ROWS + [2, 3, 5, 9]:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # the weights are q4_1's / q8_0's
+
+
+def test_act8_rounding_of_x_is_as_documented() -> None:
+    """d = max |x| / 127 per group, q = round-half-even(x / d) in [-127, 127], all-zero
+    groups give d = 0 and q = 0."""
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.0, 1.0, 32)
+    x[0, 40] = 0.5
+    q, d = quantize_activations(x, 32)
+    assert q.dtype == torch.int8 and d.shape == (2, 2)
+    assert float(d[0, 0]) == pytest.approx(2.0 / 127) and int(q[0, 0]) == -127
+    assert int(q[0, 40]) == 127 and int(q[0, 41]) == 0
+    assert bool((d[1] == 0).all()) and bool((q[1] == 0).all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_act8_refuses_k_that_is_not_a_multiple_of_the_group(isa) -> None:
+    w, b, x = _data(64, 48, 2)
+    base = pack_q4_1(w, b)
+    with pytest.raises(ValueError, match="multiple"):
+        with_int8_activations(base)
+    with pytest.raises(ValueError, match="q4_1 and q8_0"):
+        with_int8_activations(pack_int8(w, b))
+    forced = dataclasses.replace(base, fmt="q4_1x8")  # past the Python check: the kernel's own
+    with pytest.raises(ValueError, match="rejected"):
+        qlc.quant_linear(x, forced, isa)

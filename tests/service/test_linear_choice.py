@@ -171,6 +171,10 @@ def test_candidates_per_mode() -> None:
         {p.name for p in auto} and not any("int8" in p.name or "int4" in p.name for p in auto)
     assert PATHS["bf16"].min_rows == 16 and PATHS["bf16"].bound("auto") == 0.02
     assert all(p.row_invariant for p in candidates("auto", True))
+    assert not any("x8-" in p.name for p in auto + candidates("auto", True))  # exact: fp32 x
+    a8 = {p.name for p in candidates("auto-a8", False)}
+    assert {p.name for p in auto} | {"cpp-q4_1x8-avx2", "cpp-q8_0x8-avx2"} <= a8
+    assert PATHS["cpp-q4_1x8-avx2"].bound("auto-a8") == 0.04
     with pytest.raises(ValueError, match="mode"):
         candidates("int3", False)
 
@@ -244,6 +248,8 @@ def test_auto_batch_invariant_keeps_one_numerics_per_layer() -> None:
     assert got and len({p.numerics for p in got}) == 1 and got[0].native == "q4_1"
     dense = choice.class_paths(candidates("auto", True), choice.LayerWeights(w, None), True)
     assert dense and all(p.name.startswith("cpp-f32-") for p in dense)
+    a8 = choice.class_paths(candidates("auto-a8", True), lw, True)  # its x8 numerics first
+    assert a8 and {p.numerics for p in a8} == {"cpp-q4_1x8"}
 
 
 @pytest.mark.parametrize("cpp_ms, expect", [(1.2, "cpp-x"), (1.3, "fast")])

@@ -18,7 +18,7 @@ from service.worker.quantization.smoothing import (CALIBRATION_ANSWER, CALIBRATI
                                             calibration_token_ids, smoothing_factors)
 from service.worker.quantization.torch_int8 import Int8Linear, cpu_has_vnni, quantize_per_channel
 
-QUANTIZATIONS = ("auto", "int8", "int4")
+QUANTIZATIONS = ("auto", "auto-a8", "int8", "int4")
 """Values of `ModelConfig.quantization` besides None (dense weights)."""
 
 __all__ = [

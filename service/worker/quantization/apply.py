@@ -75,9 +75,10 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
     serves (``calibrate()``: per-layer AmaxObservers), and replace the model's linear layers.
 
-    mode: "none" (fp32 weights; batch invariance only), "int8", "int4" or "auto" (the
+    mode: "none" (fp32 weights; batch invariance only), "int8", "int4", "auto" (the
         checkpoint's own weights: `gguf`'s native blocks where given and verified, else
-        the dense weights, on the fastest weight-only path measured).
+        the dense weights, on the fastest weight-only path measured) or "auto-a8" (auto's
+        weights, int8-activation paths among the candidates).
     gguf: auto on a GGUF file: its layers in their own block formats.
     fused_rows: row buckets up to this size prefer C++ kernels the fused forward can call
         (``choose_plan``); 0 where no step will be fused.
@@ -86,7 +87,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
             C++ kernels).
     """
-    natives = verified_natives(model, gguf) if gguf is not None and mode == "auto" else {}
+    natives = (verified_natives(model, gguf) if gguf is not None and mode in ("auto", "auto-a8")
+               else {})
     first = {c: natives[(0, c)] for c in CLASSES if (0, c) in natives}
     if (None, "lm_head") in natives:
         first["lm_head"] = natives[(None, "lm_head")]
@@ -102,7 +104,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
     log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
              ", ".join(sorted(smooth)) or "none")
-    if mode == "auto":
-        log.info("quantization auto: one-row calls (decode) read %s",
+    if mode in ("auto", "auto-a8"):
+        log.info(f"quantization {mode}: one-row calls (decode) read %s",
                  served_formats(model, natives))
     return plan.without_natives()

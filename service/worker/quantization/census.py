@@ -14,7 +14,8 @@ LAYER_CLASSES = ("qkv", "o", "gate_up", "down")
 
 
 def weight_format(linear: object) -> str:
-    """The format of the weight one Linear multiplies by: "fp32", "int8", "int4", or, for a
+    """The format of the weight one Linear multiplies by: "fp32", "int8", "int4", "q4_1",
+    "q8_0", "q4_1x8" / "q8_0x8" (those weights times int8 activations), or, for a
     layer whose row buckets use different formats, e.g. "fp32+int8"; else its type name."""
     fns = getattr(linear, "fns", None)
     if fns is not None:  # DispatchLinear: a path per row bucket

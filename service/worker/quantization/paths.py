@@ -11,11 +11,14 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
+| ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
 | ``{int8,int4,q4_1,q8_0}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
-here), and ``auto`` (the default): the checkpoint's own weights, never re-quantized, never
+here), ``auto-a8`` (auto's candidates plus the ``x8`` paths: the checkpoint's own weights
+times int8 activations, llama.cpp's CPU numerics; faster, not exact), and ``auto`` (the
+default): the checkpoint's own weights, never re-quantized, never
 activation-quantizing paths: a GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0
 paths over its own blocks (``service.worker.gguf_weights``) beside ``fp32`` and ``cpp-f32``
 over the same weights dequantized; any other layer ``fp32`` / ``cpp-f32``. ``bf16`` is
@@ -39,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import quant_linear_cpu as qlc
-from kernels.quant_pack import PackedWeight, pack_f32, pack_int4, pack_int8
+from kernels.quant_pack import (PackedWeight, pack_f32, pack_int4, pack_int8,
+                                 with_int8_activations)
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.torch_int8 import Int8Linear
@@ -47,13 +51,13 @@ from service.worker.quantization.torch_int8 import Int8Linear
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
 
-MODES = ("none", "int8", "int4", "auto")
+MODES = ("none", "int8", "int4", "auto", "auto-a8")
 INT4_GROUP = 32
 """Input channels per int4 group (a scale and a min per group), as GGUF's Q4_0 / Q4_1 blocks:
 the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit weights
 exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
 measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
-ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2, "auto": 1e-4}
+ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2, "auto": 1e-4, "auto-a8": 1e-4}
 """Largest relative error ``|y - y_fp32| / |y_fp32|`` (``choice.relative_errors``: random
 rows with an outlier token, through the model's own weight) a path of each mode may show to
 be chosen. On SmolLM2-135M (AVX-512 VNNI), Gaussian rows: int8 weights per channel
@@ -67,6 +71,13 @@ BF16_ERROR_BOUND = 0.02
 over a dot product of a few hundred terms that gives 0.002-0.005 relative error on random
 rows (SmolLM2-135M's layers; an outlier token does not change it: one rounding per row).
 0.02 is half of int8's bound."""
+ACT8_ERROR_BOUND = 0.04
+"""int8 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x8-*`` paths): each x is
+rounded to 8 bits against its group's largest |x| (relative error up to 2^-8 of that
+maximum); measured 0.005-0.03 on random rows with an outlier token (AVX2 Zen 3). The bound
+is int8 mode's. On SmolLM2-135M (README, accuracy report) int8 activations on every layer
+cost teacher-forced top-1 agreement 93.9% and perplexity +1.5% (the LM head alone 98.2%),
+so they serve only --quantization auto-a8, never the default."""
 BF16_MIN_ROWS = 16
 """bf16 is offered for calls of this many rows and more: prefill chunks and big batches, where
 the product is compute-bound and AMX pays; decode-sized calls stream weights, where 4-bit
@@ -236,6 +247,16 @@ _PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
 _NATIVE = ("q4_1", "q8_0")
 
 
+def _cpp_act8(fmt: str, isa: str) -> LinearPath:
+    """Our kernel over the checkpoint's own q4_1 / q8_0 blocks with x quantized to int8 per
+    row and group of 32 (``kernels.quant_pack.quantize_activations``), as llama.cpp's CPU
+    dot products: the same weights, int8 rounding of x, under ACT8_ERROR_BOUND. Offered in
+    auto-a8 only: it is not auto's fp32 product (see ACT8_ERROR_BOUND)."""
+    return LinearPath(f"cpp-{fmt}x8-{isa}", "auto-a8", True, False,
+                      lambda lw: CppLinear(with_int8_activations(lw.packed_native), isa),
+                      _isa_problem(isa), native=fmt, error_bound=ACT8_ERROR_BOUND)
+
+
 def _cpp(fmt: str, isa: str) -> LinearPath:
     attr = _PACKED[fmt]
     mode = {"f32": "none", "q4_1": "auto", "q8_0": "auto"}.get(fmt, fmt)
@@ -267,6 +288,7 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("q4_1"),
     *[_cpp("q8_0", isa) for isa in qlc.VARIANTS],
     _dequant("q8_0"),
+    *[_cpp_act8(fmt, isa) for fmt in _NATIVE for isa in qlc.VARIANTS],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
                lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND),
 ]}
@@ -274,7 +296,8 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
 
 
 def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
-    """The paths that may serve a layer in `mode` ("none", "int8", "int4", "auto").
+    """The paths that may serve a layer in `mode` ("none", "int8", "int4", "auto",
+    "auto-a8": auto's candidates plus the int8-activation ``x8`` paths).
 
     int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
     than fp32. auto: every weight-only path over the checkpoint's own weights (``fp32``,
@@ -302,15 +325,17 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
 def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
     if batch_invariant:
-        if mode == "auto":  # the layer's native format first (choice keeps one numerics)
-            return [p for p in PATHS.values() if p.native is not None and p.row_invariant] + \
-                [p for p in PATHS.values() if p.name.startswith("cpp-f32-")]
+        if mode in ("auto", "auto-a8"):  # the native format first (one numerics a layer)
+            native = [p for p in PATHS.values() if p.native is not None and p.row_invariant
+                      and p.mode in ("auto", mode)]
+            native.sort(key=lambda p: p.mode != mode)  # auto-a8: its x8 paths first
+            return native + [p for p in PATHS.values() if p.name.startswith("cpp-f32-")]
         fmt = "f32" if mode == "none" else mode
         return [p for p in PATHS.values() if p.name.startswith(f"cpp-{fmt}-")]
     if mode == "none":
         return [PATHS["fp32"]]
-    if mode == "auto":
-        return [p for p in PATHS.values() if p.mode in ("none", "auto")]
+    if mode in ("auto", "auto-a8"):
+        return [p for p in PATHS.values() if p.mode in ("none", "auto", mode)]
     if mode == "int8":
         return [PATHS["fp32"]] + [p for p in PATHS.values() if p.mode == "int8"] + [PATHS["bf16"]]
     return [p for p in PATHS.values() if p.mode == "int4"] + [PATHS["bf16"]]
