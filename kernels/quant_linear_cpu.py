@@ -32,8 +32,9 @@ _BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-ffp-contract=off")
 VARIANTS: dict[str, CppKernel] = {
     "avx512": CppKernel("quant_linear_cpu-avx512", SOURCE,
                         _BASE_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                                       "-mavx2", "-mfma"),
-                        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})),
+                                       "-mavx2", "-mfma", "-mf16c"),
+                        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma",
+                                   "f16c"})),
     "avx2": CppKernel("quant_linear_cpu-avx2", SOURCE,
                       _BASE_FLAGS + ("-mavx2", "-mfma", "-mf16c"),
                       frozenset({"avx2", "fma", "f16c"})),
