@@ -63,20 +63,7 @@ class Preprocessor:
         Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
         many prompts being tokenized).
         """
-        params = self.defaults.apply(coerce_params(params, request_id=client_id))
-        if messages is not None:
-            messages = coerce_messages(messages, request_id=client_id)
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
-                                 param="$.prompt", request_id=client_id)
-        if prompt_token_ids is not None:
-            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
-        prompts = self.prompts
-        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
-                                              token_ids=prompt_token_ids),
-                           params.max_tokens, self.max_model_len, client_id)
-        tokenize = functools.partial(prompts, messages=messages, prompt=prompt,
-                                     token_ids=prompt_token_ids, request_id=client_id)
+        params, tokenize = self._check(messages, prompt, prompt_token_ids, params, client_id)
         if prompt_token_ids is not None:
             ids = tokenize()  # nothing to tokenize: a range check, at once
         else:
@@ -90,6 +77,39 @@ class Preprocessor:
                 self.pending -= 1
         self.check_fits(len(ids), params, client_id)
         return ids, params
+
+    def prepare_sync(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+                     prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                     params: SamplingParams | Mapping[str, Any] | None = None,
+                     client_id: str = "") -> tuple[list[int], SamplingParams]:
+        """`prepare` for a caller without an event loop (`service.llm.LLM`): the same
+        checks, in the same order, tokenizing in the calling thread. Same errors but
+        Overloaded."""
+        params, tokenize = self._check(messages, prompt, prompt_token_ids, params, client_id)
+        ids = tokenize()
+        self.check_fits(len(ids), params, client_id)
+        return ids, params
+
+    def _check(self, messages: Sequence[ChatMessage | Mapping[str, Any]] | None,
+               prompt: str | None, prompt_token_ids: Sequence[int] | None,
+               params: SamplingParams | Mapping[str, Any] | None,
+               client_id: str) -> tuple[SamplingParams, Callable[[], list[int]]]:
+        """The cheap checks (params, the prompt's shape, a length bound from its
+        characters); returns the checked params and the tokenizing call still to make."""
+        params = self.defaults.apply(coerce_params(params, request_id=client_id))
+        if messages is not None:
+            messages = coerce_messages(messages, request_id=client_id)
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
+                                 param="$.prompt", request_id=client_id)
+        if prompt_token_ids is not None:
+            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
+        prompts = self.prompts
+        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
+                                              token_ids=prompt_token_ids),
+                           params.max_tokens, self.max_model_len, client_id)
+        return params, functools.partial(prompts, messages=messages, prompt=prompt,
+                                         token_ids=prompt_token_ids, request_id=client_id)
 
     def check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
         """Raise ContextLengthExceeded unless n prompt tokens + max_tokens fit the context

@@ -33,7 +33,7 @@ from websockets.http11 import Request, Response
 from service.auth import AccessPolicy, RedactingLogger
 from service.config import ServerConfig
 from service.connection import Connection
-from service.engine import Engine
+from service.engine_client import EngineClient
 from service.responses import ResponsesConnection
 from service.socket_actor import SocketActor
 
@@ -61,7 +61,7 @@ class ConveyorServer:
     gracefully; `await close()` closes every socket with 1001 and stops listening.
     """
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig | None = None) -> None:
         self.engine = engine
         self.config = config or ServerConfig()
         self.access = AccessPolicy(self.config.api_key, self.config.allowed_origins)

@@ -35,8 +35,7 @@ from ray import serve
 from service.auth import AccessPolicy
 from service.cluster.asgi_socket import AsgiSocket
 from service.cluster.ingress_metrics import IngressMetrics
-from service.cluster.messages import ReplicaPin
-from service.cluster.remote_engine import RemoteEngine, fresh_call
+from service.cluster.remote_engine import RemoteEngine
 from service.cluster.registry import routers_for
 from service.config import ServerConfig
 from service.connection import Connection
@@ -46,7 +45,6 @@ log = structlog.get_logger(__name__)
 
 CHAT_PAGE = Path(__file__).resolve().parent.parent / "static" / "chat.html"
 CLOSE_TRY_AGAIN_LATER = 1013
-METRICS_TIMEOUT_S = 5.0
 
 app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -89,9 +87,7 @@ class Ingress:
         refused = self._refuse(request.headers, request.url.query)
         if refused is not None:
             return refused
-        ids = self._replica_ids()
-        texts = await asyncio.gather(*(self._replica_metrics(rid) for rid in ids))
-        body = self.metrics.render({rid: t for rid, t in zip(ids, texts) if t})
+        body = await self.engine.metrics_text()
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
@@ -174,10 +170,7 @@ class Ingress:
 
     # ---- replicas --------------------------------------------------------------------------
     def _replica_ids(self) -> list[str]:
-        ids: list[str] = []
-        for router in routers_for(self._deployment):
-            ids += [rid for rid in router.replica_ids() if rid not in ids]
-        return ids
+        return self.engine.replica_ids()
 
     def _decisions(self) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -185,11 +178,3 @@ class Ingress:
             for reason, n in router.decisions.items():
                 total[reason] = total.get(reason, 0) + n
         return total
-
-    async def _replica_metrics(self, replica_id: str) -> bytes:
-        try:
-            return await asyncio.wait_for(
-                fresh_call(self._handle.metrics_text, ReplicaPin(replica_id)), METRICS_TIMEOUT_S)
-        except Exception as e:  # a replica that is going away: its metrics go with it
-            log.warning("replica_metrics_failed", replica_id=replica_id, error=type(e).__name__)
-            return b""
