@@ -159,6 +159,10 @@ class Engine(Drainable):
                 return False, f"stalled: one step has run for {running:.0f} s"
         return True, "ok"
 
+    def health_info(self) -> dict[str, Any]:
+        """Extra /health fields: none in one process."""
+        return {}
+
     async def metrics_text(self) -> bytes:
         """The Prometheus text of this engine's metrics (what /metrics serves)."""
         return self.metrics.render() if self.metrics is not None else b""

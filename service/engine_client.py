@@ -99,6 +99,10 @@ class EngineClient(Protocol):
         """(serving, why): what /health answers (200 when True, else 503 with `why`)."""
         ...
 
+    def health_info(self) -> dict[str, Any]:
+        """Extra fields of the /health body ({} in one process; {"replicas": N} on Ray)."""
+        ...
+
     async def metrics_text(self) -> bytes:
         """The Prometheus text /metrics serves (the engine's, or every replica's)."""
         ...
@@ -114,6 +118,6 @@ class EngineClient(Protocol):
 
 ENGINE_CLIENT_MEMBERS = ("model_name", "max_model_len", "kv_cache_tokens", "tokenizer",
                          "sampling_defaults", "metrics", "accepting", "num_unfinished",
-                         "add_request", "abort", "health", "metrics_text", "begin_shutdown",
+                         "add_request", "abort", "health", "health_info", "metrics_text", "begin_shutdown",
                          "wait_idle")
 """Every member of EngineClient (the conformance test checks each on both engines)."""

@@ -150,6 +150,10 @@ class RemoteEngine(Drainable):
         n = len(self.replica_ids())
         return (True, "ok") if n else (False, "no replica is routable")
 
+    def health_info(self) -> dict[str, Any]:
+        """Extra /health fields: the replicas routable now."""
+        return {"replicas": len(self.replica_ids())}
+
     async def metrics_text(self) -> bytes:
         """The ingress's metrics, then every replica's engine metrics (label `replica`);
         a replica that does not answer within METRICS_TIMEOUT_S is left out."""
