@@ -9,7 +9,8 @@ not expose is set here, per accepted socket, from ServerConfig:
   `max_outbox_bytes` counts it;
 - `socket_send_buffer_bytes`: SO_SNDBUF (None: the kernel's autotuning);
 - `close_timeout`: seconds the closing handshake may take before the TCP connection is
-  dropped (a peer that stopped reading cannot hold a socket open).
+  dropped (a peer that stopped reading cannot hold a socket open);
+- websockets' log lines go to the `websockets.server` logger with API keys redacted.
 
 `impl`: "websockets-sansio" (default: websockets' sans-I/O core driven by uvicorn, the
 implementation uvicorn keeps) or "websockets" (websockets' legacy asyncio protocol,
@@ -19,10 +20,12 @@ deprecated by uvicorn).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import warnings
 from typing import Any
 
+from service.auth import RedactingLogger
 from service.config import ServerConfig
 
 WS_IMPLS = ("websockets-sansio", "websockets")
@@ -44,6 +47,10 @@ def ws_protocol(config: ServerConfig, impl: str = "websockets-sansio") -> type[A
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 self.close_timeout = config.close_timeout
+                # websockets' own lines (the handshake's request line carries ?api_key=)
+                # go to its usual logger, with the key redacted
+                self.conn.logger = RedactingLogger(logging.getLogger("websockets.server"))
+                self.conn.debug = self.conn.logger.isEnabledFor(logging.DEBUG)
 
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 _set_sndbuf(transport, config.socket_send_buffer_bytes)
