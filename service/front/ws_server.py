@@ -1,4 +1,6 @@
-"""The network front end: one port for the WebSocket endpoint and plain HTTP.
+"""The previous network front (websockets only: no streamed HTTP body, no POST), kept as
+the measured baseline of `service.bench.front_cost`; `conveyor serve` runs
+`service.front.server.FrontServer`. One port for the WebSocket endpoint and plain HTTP:
 
     ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md)
     ws://HOST:PORT/v1/responses  the OpenAI Responses API's WebSocket mode (service/responses/)
