@@ -86,6 +86,14 @@ class Ingress:
         self.metrics, self.engine, self.front = metrics, engine, front
         log.info("ingress_ready", model=info.model_name, deployment=self._deployment)
 
+    async def wait_ready(self) -> str | None:
+        """Wait until the front app serves (the first replica's facts arrived); returns
+        None, or why the replicas failed to start. `conveyor serve --replicas` calls it
+        before it prints the URL: Serve says RUNNING once the replicas are up, a moment
+        before this ingress has heard from them."""
+        await asyncio.shield(self._connecting)
+        return self._start_error
+
     def _starting_state(self) -> tuple[str, bool, dict[str, Any]]:
         """What StartingApp answers now: (reason, failed, replica counts)."""
         replicas = len(self._replica_ids())
