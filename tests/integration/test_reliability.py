@@ -179,13 +179,13 @@ async def test_reader_past_the_outbox_limit_is_closed_1008_and_cancelled(make_se
     slow = await small_window_connect(server.url, server.port, rcvbuf=2048)
     for i in range(16):
         await slow.send(generate_frame(f"s{i}", max_tokens=2000, ignore_eos=True))
+    # held: the front drops a connection from server.connections once its close is sent
+    await wait_until(lambda: server.connections, 30, "the connection")
+    conn = next(iter(server.connections))
     other = await RawClient.connect(server.url)  # a reader that keeps up is not affected
     await other.ws.send(generate_frame("fine", max_tokens=24, ignore_eos=True))
-
-    def overflowed() -> bool:
-        return any(c.outbox.overflowed and not c.in_flight for c in server.connections)
-
-    await wait_until(overflowed, 300, "the slow reader's outbox to overflow")
+    await wait_until(lambda: conn.outbox.overflowed and not conn.in_flight, 300,
+                     "the slow reader's outbox to overflow")
     codes = []
     try:
         while True:  # read again: what was buffered, then the close frame
@@ -200,6 +200,7 @@ async def test_reader_past_the_outbox_limit_is_closed_1008_and_cancelled(make_se
     await other.close()
     await wait_idle(engine)
     assert engine.scheduler.pool.usage == 0.0
+
 
 
 # ---- engine faults ------------------------------------------------------------------------
