@@ -12,8 +12,12 @@ outbox, limits and close codes) serve both:
     await socket.close(code, reason)
     socket.close_code, socket.remote_address, socket.transport.abort()
 
-ASGI has no way to drop a TCP connection; `transport.abort()` ends the iteration and
-lets the server (the proxy) close the socket.
+ASGI has no way to drop a TCP connection. Our own uvicorn protocol
+(service/front/ws_protocol.py) puts its transport's abort in the scope's extensions
+(`TRANSPORT_ABORT`): `transport.abort()` calls it, so a peer that stopped reading cannot
+hold the socket past `close_timeout`, as with websockets' own server. Without it (behind
+Ray Serve's proxy) `transport.abort()` only ends the iteration and lets the server close
+the socket.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 CLOSE_MESSAGE_TOO_BIG = 1009
+TRANSPORT_ABORT = "conveyor.transport_abort"
+"""Scope extension: () -> None, drops the TCP connection at once."""
 
 
 class AsgiSocket:
@@ -44,7 +50,11 @@ class AsgiSocket:
         self.transport = self  # transport.abort(), as websockets' connection has
 
     def abort(self) -> None:
+        """Drop the connection (where the server lets us; see the module docstring)."""
         self._closed = True
+        drop = (self._ws.scope.get("extensions") or {}).get(TRANSPORT_ABORT)
+        if drop is not None:
+            drop()  # the server's connection_lost ends the iteration
 
     def __aiter__(self) -> AsyncIterator[str | bytes]:
         return self._frames()

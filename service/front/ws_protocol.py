@@ -10,7 +10,10 @@ not expose is set here, per accepted socket, from ServerConfig:
 - `socket_send_buffer_bytes`: SO_SNDBUF (None: the kernel's autotuning);
 - `close_timeout`: seconds the closing handshake may take before the TCP connection is
   dropped (a peer that stopped reading cannot hold a socket open);
-- websockets' log lines go to the `websockets.server` logger with API keys redacted.
+- websockets' log lines go to the `websockets.server` logger with API keys redacted;
+- the transport's abort goes in the scope's extensions (`TRANSPORT_ABORT`), so that
+  `AsgiSocket.transport.abort()` really drops a peer that does not finish the closing
+  handshake within `close_timeout` (a send waiting for a stalled reader blocks the close).
 
 `impl`: "websockets-sansio" (default: websockets' sans-I/O core driven by uvicorn, the
 implementation uvicorn keeps) or "websockets" (websockets' legacy asyncio protocol,
@@ -27,6 +30,7 @@ from typing import Any
 
 from service.auth import RedactingLogger
 from service.config import ServerConfig
+from service.front.asgi_socket import TRANSPORT_ABORT
 
 WS_IMPLS = ("websockets-sansio", "websockets")
 
@@ -56,6 +60,12 @@ def ws_protocol(config: ServerConfig, impl: str = "websockets-sansio") -> type[A
                 _set_sndbuf(transport, config.socket_send_buffer_bytes)
                 transport.set_write_buffer_limits(high=config.write_limit_bytes)  # type: ignore
                 super().connection_made(transport)
+
+            def handle_connect(self, event: Any) -> None:
+                super().handle_connect(event)
+                scope = getattr(self, "scope", None)  # None: the handshake was refused
+                if scope is not None:
+                    scope["extensions"][TRANSPORT_ABORT] = self.transport.abort
 
         return SansIO
     if impl == "websockets":
