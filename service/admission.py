@@ -67,22 +67,8 @@ class Preprocessor:
         Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
         many prompts being tokenized).
         """
-        raw = coerce_params(params, request_id=client_id)
-        room = min(self.max_model_len, self.num_kv_blocks * self.block_size)
-        params = self.defaults.apply(raw, 1, room)  # max_tokens: re-fit to the prompt below
-        if messages is not None:
-            messages = coerce_messages(messages, request_id=client_id)
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
-                                 param="$.prompt", request_id=client_id)
-        if prompt_token_ids is not None:
-            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
-        prompts = self.prompts
-        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
-                                              token_ids=prompt_token_ids),
-                           params.max_tokens, self.max_model_len, client_id)
-        tokenize = functools.partial(prompts, messages=messages, prompt=prompt,
-                                     token_ids=prompt_token_ids, request_id=client_id)
+        params, unset_max, tokenize = self._check(messages, prompt, prompt_token_ids,
+                                                  params, client_id)
         if prompt_token_ids is not None:
             ids = tokenize()  # nothing to tokenize: a range check, at once
         else:
@@ -94,11 +80,60 @@ class Preprocessor:
                 ids = await asyncio.get_running_loop().run_in_executor(self._pool, tokenize)
             finally:
                 self.pending -= 1
-        if raw.max_tokens is None:
-            params = msgspec.structs.replace(
-                params, max_tokens=self.defaults.output_limit(len(ids), room))
-        self.check_fits(len(ids), params, client_id)
+        params = self._fit(len(ids), params, unset_max, client_id)
         return ids, params
+
+    def prepare_sync(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
+                     prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                     params: SamplingParams | Mapping[str, Any] | None = None,
+                     client_id: str = "") -> tuple[list[int], SamplingParams]:
+        """`prepare` for a caller without an event loop (`service.llm.LLM`): the same
+        checks, in the same order, tokenizing in the calling thread. Same errors but
+        Overloaded."""
+        params, unset_max, tokenize = self._check(messages, prompt, prompt_token_ids,
+                                                  params, client_id)
+        ids = tokenize()
+        return ids, self._fit(len(ids), params, unset_max, client_id)
+
+    @property
+    def _room(self) -> int:
+        """Most tokens (prompt + output) one request can hold: the context, or the whole
+        KV cache where that is smaller."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+    def _check(self, messages: Sequence[ChatMessage | Mapping[str, Any]] | None,
+               prompt: str | None, prompt_token_ids: Sequence[int] | None,
+               params: SamplingParams | Mapping[str, Any] | None,
+               client_id: str) -> tuple[SamplingParams, bool, Callable[[], list[int]]]:
+        """The cheap checks (params, the prompt's shape, a length bound from its
+        characters); returns the checked params, whether the caller left max_tokens unset
+        (then `_fit` re-fits it to the prompt) and the tokenizing call still to make."""
+        raw = coerce_params(params, request_id=client_id)
+        params = self.defaults.apply(raw, 1, self._room)  # max_tokens: re-fit in _fit
+        if messages is not None:
+            messages = coerce_messages(messages, request_id=client_id)
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
+                                 param="$.prompt", request_id=client_id)
+        if prompt_token_ids is not None:
+            prompt_token_ids = coerce_token_ids(prompt_token_ids, request_id=client_id)
+        prompts = self.prompts
+        prompts.check_fits(prompts.min_tokens(messages=messages, prompt=prompt,
+                                              token_ids=prompt_token_ids),
+                           params.max_tokens, self.max_model_len, client_id)
+        return params, raw.max_tokens is None, functools.partial(
+            prompts, messages=messages, prompt=prompt, token_ids=prompt_token_ids,
+            request_id=client_id)
+
+    def _fit(self, n: int, params: SamplingParams, unset_max: bool,
+             client_id: str) -> SamplingParams:
+        """params for a prompt of n tokens: an unset max_tokens becomes the default output
+        limit for what the context and the KV cache leave; then `check_fits`."""
+        if unset_max:
+            params = msgspec.structs.replace(
+                params, max_tokens=self.defaults.output_limit(n, self._room))
+        self.check_fits(n, params, client_id)
+        return params
 
     def check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
         """Raise ContextLengthExceeded unless n prompt tokens + max_tokens fit the context

@@ -77,6 +77,8 @@ async def _serve(a: argparse.Namespace) -> None:
         print(f"conveyor: OpenAI Responses WebSocket mode at "
               f"{server.url.rsplit('/v1/', 1)[0]}/v1/responses (openai SDK: base_url="
               f"http://{a.host}:{server.port}/v1)", flush=True)
+        print(f"conveyor: OpenAI HTTP API at http://{a.host}:{server.port}/v1 "
+              "(chat/completions, completions, models)", flush=True)
         print(f"conveyor: health at http://{a.host}:{server.port}/health", flush=True)
         try:
             await stop.wait()

@@ -55,7 +55,8 @@ log = structlog.get_logger(__name__)
 
 
 class Engine(Drainable):
-    """Continuous-batching engine usable from any asyncio application.
+    """Continuous-batching engine usable from any asyncio application; an
+    `service.engine_client.EngineClient` (what every front end is typed against).
 
     Args:
         config: engine settings (the same ones `conveyor serve` takes).
@@ -168,6 +169,14 @@ class Engine(Drainable):
             if running > self.config.step_timeout_s:
                 return False, f"stalled: one step has run for {running:.0f} s"
         return True, "ok"
+
+    def health_info(self) -> dict[str, Any]:
+        """Extra /health fields: none in one process."""
+        return {}
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text of this engine's metrics (what /metrics serves)."""
+        return self.metrics.render() if self.metrics is not None else b""
 
     def inject_fault(self, where: str = "execute", request_id: str | None = None,
                      count: int | None = 1) -> None:

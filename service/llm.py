@@ -19,8 +19,9 @@ from protocol import InvalidRequest, SamplingParams
 from service.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
 from service.core.request import Request
+from service.admission import Preprocessor
 from service.generation_config import load_sampling_defaults, log_sampling_defaults
-from service.request_input import coerce_params, coerce_token_ids
+from service.tokenize_prompt import PromptTokenizer
 
 
 class LLM:
@@ -61,6 +62,12 @@ class LLM:
             self.config.model.generation_config, self.config.model.model,
             getattr(runner, "model_name", ""))
         log_sampling_defaults(self.sampling_defaults)
+        # The Engine's own admission checks, the whole-KV-pool fit check included: a
+        # request that could never fit the pool alone would wait forever in the scheduler.
+        self._admission = Preprocessor(
+            PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
+            self.core.scheduler.pool.num_blocks, self.config.cache.block_size,
+            max_pending=1, retry_after_ms=lambda: 0, defaults=self.sampling_defaults)
         self._next_id = 0
 
     @property
@@ -75,8 +82,9 @@ class LLM:
         params: one SamplingParams (or mapping of its fields) for all, or one per prompt;
         checked as the wire checks them; unset sampling values take the model's generation
         config (`self.sampling_defaults`), as in the Engine.
-        Raises InvalidRequest (a ValueError's kin: bad params or ids, an empty prompt, one
-        that does not fit the context with its max_tokens) before anything runs;
+        Admission is the Engine's (`service.admission.Preprocessor`): raises InvalidRequest
+        (bad params or ids, an empty prompt) or ContextLengthExceeded (prompt + max_tokens
+        over the context, or over the whole KV cache) before anything runs;
         RuntimeError if a request fails in a step (its reason).
         """
         if isinstance(params, (SamplingParams, Mapping)):
@@ -87,15 +95,10 @@ class LLM:
                 raise InvalidRequest(f"{len(plist)} params for {len(prompt_token_ids)} prompts",
                                      param="$.params")
         eos = self.runner.eos_token_ids
-        limit = self.runner.max_model_len
         reqs = []
-        for ids, p in zip(prompt_token_ids, plist):
-            ids = coerce_token_ids(ids)
-            p = self.sampling_defaults.apply(coerce_params(p), len(ids), limit)
-            if not ids or len(ids) + p.max_tokens > limit:
-                raise InvalidRequest(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
-                                     f"does not fit (max_model_len {limit})",
-                                     param="$.params.max_tokens")
+        for i, (ids, p) in enumerate(zip(prompt_token_ids, plist)):
+            ids, p = self._admission.prepare_sync(prompt_token_ids=ids, params=p,
+                                                  client_id=f"prompt {i}")
             reqs.append(Request(f"llm-{self._next_id}", ids, p, eos))
             self._next_id += 1
         for req in reqs:

@@ -103,6 +103,8 @@ class EngineMetrics:
         self._linear_layers = Gauge(PREFIX + "linear_layers",
                                     "Linear layers of the model by weight format.",
                                     lab + ["format"], registry=r)
+        self._http = Counter(PREFIX + "http_requests", "OpenAI HTTP API requests by route and "
+                             "HTTP status.", lab + ["route", "status"], registry=r)
         self._state_reader: Callable[[], CoreStats | None] = lambda: None
         r.register(_StateCollector(lambda: self._state_reader(), self._labels))
 
@@ -122,6 +124,10 @@ class EngineMetrics:
         self.e2e.observe(e2e_s)
         if queue_s is not None:
             self.queue.observe(queue_s)
+
+    def http_request(self, route: str, status: int) -> None:
+        """Count one OpenAI HTTP request (`conveyor:http_requests_total{route, status}`)."""
+        self._http.labels(self._labels["model_name"], route, str(status)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

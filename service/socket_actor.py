@@ -28,7 +28,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from service.config import ServerConfig
-from service.engine import Engine
+from service.engine_client import EngineClient
 from service.outbox import Outbox
 
 log = structlog.get_logger(__name__)
@@ -43,7 +43,7 @@ class SocketActor:
 
     route = "?"
 
-    def __init__(self, ws: ServerConnection, engine: Engine, config: ServerConfig) -> None:
+    def __init__(self, ws: ServerConnection, engine: EngineClient, config: ServerConfig) -> None:
         self.ws = ws
         self.engine = engine
         self.config = config

@@ -7,9 +7,9 @@
     router.py          PrefixCacheAffinityRouter: that policy on Ray Serve's RequestRouter API
     messages.py        what ingress and replicas pass each other (ReplicaRequest, Admitted, ...)
     replica.py         EngineReplica: one Engine per replica; streaming generate, abort, stats
-    remote_engine.py   RemoteEngine: the Engine's request API over the replicas (ingress side)
-    asgi_socket.py     a Starlette WebSocket with the surface the Connection actor uses
-    ingress.py         FastAPI ingress: /v1/stream, /health, /metrics, / behind Serve's proxy
+    remote_engine.py   RemoteEngine: an EngineClient over the replicas (ingress side)
+    asgi_socket.py     moved to service/front/asgi_socket.py (re-exported)
+    ingress.py         the Serve ingress: the one front app (service/front/) over a RemoteEngine
     ingress_metrics.py the ingress's metrics, and the replicas' relabelled with `replica`
     app.py             build_app(...) / app_builder(args): the Serve application
     launch.py          `conveyor serve --replicas N`: Ray up, deploy, serve, drain

@@ -1,67 +1,47 @@
-"""The cluster's front door: a FastAPI ingress deployment behind Ray Serve's HTTP proxy.
+"""The cluster's front door: the one front app (service/front/) as a Ray Serve ingress,
+with a RemoteEngine behind it instead of an in-process Engine.
 
-    ws://HOST:PORT/v1/stream   the streaming protocol (PROTOCOL.md), served by the same
-                               Connection actor as `conveyor serve`, over a RemoteEngine
-    ws://HOST:PORT/v1/responses  the OpenAI Responses API's WebSocket mode, served by the
-                               same ResponsesConnection actor as `conveyor serve`
-    GET /health                200 {"status": "ok", "replicas": N} when some replica is
-                               routable and the ingress accepts requests, else 503 with
-                               a `reason`; during start-up 503 until every replica of
-                               the deployment is ready (`expected_replicas`)
-    GET /metrics               the ingress's metrics and every replica's engine metrics
-                               (label `replica`), Prometheus text
-    GET /                      the built-in chat page
-
-Every route but /health is guarded like `conveyor serve`'s (service/auth.py): a foreign
-browser Origin gets 403, a missing or wrong API key 401. Sockets beyond
-`max_connections` are closed with 1013 right after the handshake.
+Every route is the single process's (`service.front.app`): /v1/stream and /v1/responses
+(the same socket actors, limits, close codes), the OpenAI HTTP API, /health (plus
+"replicas": the replicas routable now, and "expected_replicas"), /metrics (the ingress's
+metrics and every replica's, label `replica`) and the chat page, with the same auth and
+Origin checks. One difference: while draining, new sockets are closed with 1013 at once.
 
 Start-up: the ingress is up within its actor's start, before any replica has loaded the
 model (its constructor does not wait for them), so /health answers at once from the first
-moment the proxy routes to it: 503 {"status": "starting", "reason": ...} while replicas
-load. A socket opened before the first replica is ready is closed with 1013 ("the model
-is loading; try again later"); once one is ready, requests go to the ready replicas.
+moment the proxy routes to it. Until the first replica's facts arrive, `StartingApp`
+(service/cluster/starting.py) answers: /health 503 {"status": "starting", "reason": ...},
+sockets closed with 1013 ("the model is loading; try again later"), the HTTP API 503 with
+Retry-After. Then the front app serves, and its /health stays 503 "starting: k of N
+engine replicas ready" until every replica of the deployment (`expected_replicas`) was
+ready once (RemoteEngine.health).
 
-Each WebSocket protocol is one route handing its actor class to `_serve_socket` (any
-`service.socket_actor.SocketActor`: built as `Actor(socket, engine, server_config)`,
-with `run()`, `abort_all()` and `shutdown()`).
+The ASGI app Serve runs (`__serve_build_asgi_app__`, built after the constructor) is that
+StartingApp: it hands every request to the front app once the front app exists.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the routes' annotations
-# (WebSocket, Request) at class-definition time, through Ray Serve's class-based view.
+from __future__ import annotations
+
 import asyncio
-import http
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
 from service.auth import AccessPolicy
-from service.cluster.asgi_socket import AsgiSocket
 from service.cluster.ingress_metrics import IngressMetrics
-from service.cluster.messages import ReplicaPin
-from service.cluster.remote_engine import RemoteEngine, fresh_call
 from service.cluster.registry import routers_for
+from service.cluster.remote_engine import RemoteEngine
+from service.cluster.starting import StartingApp
 from service.config import ServerConfig
-from service.connection import Connection
-from service.responses import ResponsesConnection
+from service.front.app import Front, build_app
 
 log = structlog.get_logger(__name__)
 
-CHAT_PAGE = Path(__file__).resolve().parent.parent / "static" / "chat.html"
-CLOSE_TRY_AGAIN_LATER = 1013
-METRICS_TIMEOUT_S = 5.0
 
-app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-@serve.ingress(app)
+@serve.ingress()
 class Ingress:
-    """Serves the WebSocket protocol over the EngineReplica deployment `engine`.
+    """Serves the front app over the EngineReplica deployment `engine`.
 
     Args:
         engine: DeploymentHandle of the EngineReplica deployment.
@@ -75,15 +55,16 @@ class Ingress:
     async def __init__(self, engine: Any, server_config: ServerConfig,
                        max_waiting_requests: int = 1024, expected_replicas: int = 1) -> None:
         self.config = server_config
-        self.access = AccessPolicy(server_config.api_key, server_config.allowed_origins)
         self._deployment = engine.deployment_name
         self._handle = engine
         self._expected = max(1, expected_replicas)
-        self._started = False  # every expected replica was ready once
         self.engine: RemoteEngine | None = None
         self.metrics: IngressMetrics | None = None
-        self.connections: set[Any] = set()
+        self.front: Front | None = None
         self._start_error: str | None = None
+        self._starting = StartingApp(
+            AccessPolicy(server_config.api_key, server_config.allowed_origins),
+            self._starting_state, lambda: self.front.app if self.front is not None else None)
         self._connecting = asyncio.get_running_loop().create_task(
             self._connect(max_waiting_requests), name="conveyor-ingress-connect")
 
@@ -99,120 +80,44 @@ class Ingress:
         # off the event loop: building the admission (tokenizer, template) takes seconds
         # on a busy machine, and /health must answer meanwhile
         engine = await asyncio.to_thread(RemoteEngine, self._handle, info, metrics,
-                                         max_waiting_requests)
-        self.metrics, self.engine = metrics, engine
-        self.metrics.track_in_flight(lambda: self.engine.num_unfinished if self.engine else 0)
+                                         max_waiting_requests, self._expected)
+        metrics.track_in_flight(lambda: engine.num_unfinished)
+        front = build_app(engine, self.config, refuse_while_draining=True)
+        self.metrics, self.engine, self.front = metrics, engine, front
         log.info("ingress_ready", model=info.model_name, deployment=self._deployment)
 
-    def _unready_reason(self, replicas: int) -> str | None:
-        """Why /health is not 200 now (None: it is)."""
-        if self._start_error is not None:
-            return self._start_error
-        if self.engine is None:
-            return (f"starting: the engine replicas are loading the model "
-                    f"({replicas} of {self._expected} ready)")
-        if not self.engine.accepting:
-            return "shutting down"
-        if not self._started and replicas < self._expected:
-            return f"starting: {replicas} of {self._expected} engine replicas ready"
-        self._started = True
-        if not replicas:
-            return "no engine replica is ready"
-        return None
+    async def wait_ready(self) -> str | None:
+        """Wait until the front app serves (the first replica's facts arrived); returns
+        None, or why the replicas failed to start. `conveyor serve --replicas` calls it
+        before it prints the URL: Serve says RUNNING once the replicas are up, a moment
+        before this ingress has heard from them."""
+        await asyncio.shield(self._connecting)
+        return self._start_error
 
-    # ---- HTTP --------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(self) -> JSONResponse:
+    def _starting_state(self) -> tuple[str, bool, dict[str, Any]]:
+        """What StartingApp answers now: (reason, failed, replica counts)."""
         replicas = len(self._replica_ids())
-        reason = self._unready_reason(replicas)
-        if reason is None and self.engine is not None:
-            return JSONResponse({"status": "ok", "model": self.engine.model_name,
-                                 "replicas": replicas})
-        status = "starting" if reason and reason.startswith("starting") else "unavailable"
-        return JSONResponse({"status": status, "reason": reason, "replicas": replicas,
-                             "expected_replicas": self._expected},
-                            status_code=http.HTTPStatus.SERVICE_UNAVAILABLE)
+        counts = {"replicas": replicas, "expected_replicas": self._expected}
+        if self._start_error is not None:
+            return self._start_error, True, counts
+        return (f"starting: the engine replicas are loading the model "
+                f"({replicas} of {self._expected} ready)", False, counts)
 
-    @app.get("/metrics")
-    async def metrics(self, request: Request) -> Response:
-        refused = self._refuse(request.headers, request.url.query)
-        if refused is not None:
-            return refused
-        if self.metrics is None:
-            return JSONResponse({"error": self._unready_reason(0)},
-                                status_code=http.HTTPStatus.SERVICE_UNAVAILABLE)
-        ids = self._replica_ids()
-        texts = await asyncio.gather(*(self._replica_metrics(rid) for rid in ids))
-        body = self.metrics.render({rid: t for rid, t in zip(ids, texts) if t})
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._starting
 
-    @app.get("/")
-    async def chat_page(self, request: Request) -> Response:
-        refused = self._refuse(request.headers, request.url.query)
-        if refused is not None:
-            return refused
-        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"),
-                            headers={"Cache-Control": "no-cache"})
-
-    # ---- WebSocket ---------------------------------------------------------------------
-    @app.websocket("/v1/stream")
-    async def stream(self, ws: WebSocket) -> None:
-        await self._serve_socket(ws, Connection)
-
-    @app.websocket("/v1/responses")
-    async def responses(self, ws: WebSocket) -> None:
-        await self._serve_socket(ws, ResponsesConnection)
-
-    async def _serve_socket(self, ws: WebSocket, actor: Callable[..., Any]) -> None:
-        """Check access, accept, apply the connection limit, then run `actor` on the socket."""
-        refused = self._refuse(ws.headers, ws.url.query)
-        if refused is not None:
-            try:
-                await ws.send_denial_response(refused)
-            except RuntimeError:  # the server cannot send HTTP responses to WebSockets
-                await ws.close(1008, "refused")
-            return
-        await ws.accept()
-        socket = AsgiSocket(ws, self.config.max_message_bytes)
-        if self.engine is None:
-            await socket.close(CLOSE_TRY_AGAIN_LATER, "the model is loading; try again later"
-                               if self._start_error is None else "the engine failed to start")
-            return
-        limit = self.config.max_connections
-        if len(self.connections) >= limit or not self.engine.accepting:
-            await socket.close(CLOSE_TRY_AGAIN_LATER, f"too many connections (limit {limit}) "
-                               "or shutting down; try again later")
-            return
-        conn = actor(socket, self.engine, self.config)
-        self.connections.add(conn)
-        try:
-            await conn.run()
-        finally:
-            self.connections.discard(conn)
-
-    def _refuse(self, headers: Any, query: str) -> Response | None:
-        origin = headers.get("origin")
-        if not self.access.origin_allowed(origin):
-            log.warning("request_refused", status=403, origin=origin)
-            return JSONResponse({"error": f"origin {origin!r} is not allowed"},
-                                status_code=http.HTTPStatus.FORBIDDEN)
-        if not self.access.key_ok(headers.get("authorization"), query):
-            log.warning("request_refused", status=401)
-            return JSONResponse(
-                {"error": "missing or wrong API key: send 'Authorization: Bearer <key>' "
-                          "or add ?api_key=<key> to the URL"},
-                status_code=http.HTTPStatus.UNAUTHORIZED,
-                headers={"WWW-Authenticate": 'Bearer realm="conveyor"'})
-        return None
+    @property
+    def connections(self) -> set[Any]:
+        return self.front.sockets.connections if self.front is not None else set()
 
     # ---- drain (called by `conveyor serve --replicas` on SIGTERM / SIGINT) -------------
     async def drain(self, timeout: float | None = None) -> bool:
-        """Graceful end, as ConveyorServer.shutdown: /health 503 and new requests get
+        """Graceful end, as FrontServer.shutdown: /health 503 and new requests get
         `shutting_down` at once; requests in flight get `timeout` seconds (default
         shutdown_timeout), then are cancelled (each still gets its done); every socket is
         closed with 1001. Returns True when every request finished on its own."""
         timeout = self.config.shutdown_timeout if timeout is None else timeout
-        if self.engine is None:  # still starting: nothing in flight
+        if self.engine is None or self.front is None:  # still starting: nothing in flight
             self._connecting.cancel()
             return True
         self.engine.begin_shutdown()
@@ -222,6 +127,7 @@ class Ingress:
         if not finished:
             for conn in list(self.connections):
                 conn.abort_all()
+            self.front.openai.abort_all()
             await self.engine.wait_idle(self.config.close_timeout)
         await asyncio.gather(*(conn.shutdown() for conn in list(self.connections)),
                              return_exceptions=True)
@@ -246,11 +152,3 @@ class Ingress:
             for reason, n in router.decisions.items():
                 total[reason] = total.get(reason, 0) + n
         return total
-
-    async def _replica_metrics(self, replica_id: str) -> bytes:
-        try:
-            return await asyncio.wait_for(
-                fresh_call(self._handle.metrics_text, ReplicaPin(replica_id)), METRICS_TIMEOUT_S)
-        except Exception as e:  # a replica that is going away: its metrics go with it
-            log.warning("replica_metrics_failed", replica_id=replica_id, error=type(e).__name__)
-            return b""

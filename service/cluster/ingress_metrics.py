@@ -56,6 +56,9 @@ class IngressMetrics:
         self.registry = r = CollectorRegistry()
         self.connections = Gauge(PREFIX + "websocket_connections", "Open WebSocket connections.",
                                  ["model_name"], registry=r).labels(model_name)
+        self._model_name = model_name
+        self._http = Counter(PREFIX + "http_requests", "OpenAI HTTP API requests by route and "
+                             "HTTP status.", ["model_name", "route", "status"], registry=r)
         self._routed = Counter(PREFIX + "cluster_requests_routed",
                                "Requests admitted, by the replica that took them.",
                                ["replica"], registry=r)
@@ -70,6 +73,10 @@ class IngressMetrics:
     def track_in_flight(self, read: Callable[[], int]) -> None:
         """The in-flight gauge reads `read()` at scrape time."""
         self._in_flight.set_function(read)
+
+    def http_request(self, route: str, status: int) -> None:
+        """Count one OpenAI HTTP request (`conveyor:http_requests_total{route, status}`)."""
+        self._http.labels(self._model_name, route, str(status)).inc()
 
     def routed(self, replica_id: str) -> None:
         self._routed.labels(replica_id).inc()

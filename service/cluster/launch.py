@@ -4,7 +4,8 @@
        (`ray start --head`), else start a local one (no dashboard: it costs CPU).
     2. Serve's HTTP proxy on --host:--port, then the application (service.cluster.app):
        N EngineReplica replicas, each loading the model, and the Ingress.
-    3. Print the URL; serve until SIGTERM / SIGINT.
+    3. Wait until the ingress has heard from a replica (`Ingress.wait_ready`: a socket
+       opened before is closed with 1013), print the URL; serve until SIGTERM / SIGINT.
     4. Drain like `conveyor serve`: /health 503, new requests `shutting_down`, requests
        in flight get --shutdown-timeout seconds (a second signal cancels them at once),
        sockets close with 1001; then the application is deleted, and Serve and Ray are
@@ -80,6 +81,9 @@ def serve_cluster(a: argparse.Namespace) -> int:
         print(f"conveyor: {routing_note(cluster)}", flush=True)
         handle = serve.run(build_app(engine, net, cluster), name=cluster.app_name,
                            route_prefix=cluster.route_prefix, blocking=False)
+        failed = handle.wait_ready.remote().result()
+        if failed is not None:
+            raise RuntimeError(failed)
         host = f"[{net.host}]" if ":" in net.host else net.host
         print(f"conveyor: serving at ws://{host}:{net.port}/v1/stream "
               f"(Ray Serve application {cluster.app_name!r})", flush=True)

@@ -45,6 +45,7 @@ from service.admission import Preprocessor
 from service.drain import Drainable
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
+from service.cluster.registry import routers_for
 from service.core.block_pool import KVBlockPool
 from service.request_stream import RequestStream, Sink
 from service.tokenize_prompt import PromptTokenizer
@@ -55,6 +56,7 @@ ADMIT_ATTEMPTS = 3
 """Sends of one request while its replica dies before admitting it (nothing was queued
 or streamed, so another replica may take it)."""
 ABORT_TIMEOUT_S = 10.0
+METRICS_TIMEOUT_S = 5.0
 RETRY_AFTER_MS = 1000
 """When a client refused for too many prompts being tokenized here should retry."""
 
@@ -101,18 +103,23 @@ class _Remote:
 
 
 class RemoteEngine(Drainable):
-    """Engine-like front for a deployment of EngineReplica (see the module docstring).
+    """An `service.engine_client.EngineClient` for a deployment of EngineReplica (see
+    the module docstring).
 
     Args:
         handle: DeploymentHandle of the EngineReplica deployment.
         info: a replica's ReplicaInfo (model, context, tokenizer, block size).
         metrics: the ingress's IngressMetrics.
         max_waiting_requests: most prompts being tokenized at once (`overloaded` beyond).
+        expected_replicas: replicas the deployment starts with; `health` says "starting"
+            until that many were routable once (then serving while any is).
     """
 
     def __init__(self, handle: Any, info: ReplicaInfo, metrics: IngressMetrics,
-                 max_waiting_requests: int = 1024) -> None:
+                 max_waiting_requests: int = 1024, expected_replicas: int = 1) -> None:
         self._handle = handle
+        self.expected_replicas = max(1, expected_replicas)
+        self._started = False  # every expected replica was routable once
         self._stream_handle = handle.options(stream=True)
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
@@ -141,6 +148,47 @@ class RemoteEngine(Drainable):
         """Requests this ingress holds: being admitted (their caller there or gone) or
         streaming."""
         return len(self._live) + len(self._admitting) + len(self._settling)
+
+    # ---- health and metrics (EngineClient) -----------------------------------------------
+    def replica_ids(self) -> list[str]:
+        """The replicas the deployment's routers can send to now."""
+        ids: list[str] = []
+        for router in routers_for(getattr(self._handle, "deployment_name", "")):
+            ids += [rid for rid in router.replica_ids() if rid not in ids]
+        return ids
+
+    def health(self) -> tuple[bool, str]:
+        """(serving, why): serving while accepting and some replica is routable, once
+        start-up is over (every expected replica routable once; until then why is
+        "starting: k of N engine replicas ready")."""
+        if not self.accepting:
+            return False, "draining"
+        n = len(self.replica_ids())
+        if not self._started and n < self.expected_replicas:
+            return False, f"starting: {n} of {self.expected_replicas} engine replicas ready"
+        self._started = True
+        return (True, "ok") if n else (False, "no replica is routable")
+
+    def health_info(self) -> dict[str, Any]:
+        """Extra /health fields: the replicas routable now, and how many the deployment
+        starts with."""
+        return {"replicas": len(self.replica_ids()),
+                "expected_replicas": self.expected_replicas}
+
+    async def metrics_text(self) -> bytes:
+        """The ingress's metrics, then every replica's engine metrics (label `replica`);
+        a replica that does not answer within METRICS_TIMEOUT_S is left out."""
+        ids = self.replica_ids()
+        texts = await asyncio.gather(*(self._replica_metrics(rid) for rid in ids))
+        return self.metrics.render({rid: t for rid, t in zip(ids, texts) if t})
+
+    async def _replica_metrics(self, replica_id: str) -> bytes:
+        try:
+            return await asyncio.wait_for(
+                fresh_call(self._handle.metrics_text, ReplicaPin(replica_id)), METRICS_TIMEOUT_S)
+        except Exception as e:  # a replica that is going away: its metrics go with it
+            log.warning("replica_metrics_failed", replica_id=replica_id, error=type(e).__name__)
+            return b""
 
     async def close(self) -> None:
         """Cancel every stream (each still gets an error and its Done); stop the pool."""

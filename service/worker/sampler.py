@@ -29,7 +29,9 @@ __all__ = [
     "GREEDY_EPS",
     "SamplingParamsLike",
     "SamplingTensors",
+    "TokenLogprobs",
     "build_sampling_tensors",
+    "compute_logprobs",
     "make_generator",
     "sample",
 ]
@@ -206,6 +208,52 @@ def sample(
     log_uniform = _log_uniform_noise(batch, vocab, generators, logits.device)  # [B, V]
     sampled = probs.div_(log_uniform).argmin(dim=-1)  # [B]
     return torch.where(greedy | (greedy_tokens < 0), greedy_tokens, sampled)
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities (natural log, float32) of S rows.
+
+    token: [S] of the token each row chose (sampled, or the prompt's next token).
+    top_ids: [S, K] int64, the K most likely tokens, most likely first (equal values in
+        no promised order).
+    top: [S, K] their log-probabilities, descending.
+    """
+
+    token: Tensor
+    top_ids: Tensor
+    top: Tensor
+
+
+def compute_logprobs(logits: Tensor, tokens: Tensor, num_top: int) -> TokenLogprobs:
+    """Log-probabilities of `tokens` and of each row's `num_top` most likely tokens.
+
+    Which distribution: the model's own, log_softmax of the raw logits in float32,
+    before temperature, top-k, top-p and min-p (vLLM's default, its "raw_logprobs"
+    mode). So a text's score depends on the model only, never on the sampling settings
+    of the request that asked (lm-eval's loglikelihood tasks rely on that), and a greedy
+    request gets the same numbers as a sampled one; a sampled token that a cut made
+    certain still shows its probability under the model.
+
+    Args:
+        logits: [S, V] float, only the rows that ask (callers slice them: rows that ask
+            for nothing cost nothing), not modified.
+        tokens: [S] int64 ids in [0, V) (a negative id, a failed row, reads as id 0).
+        num_top: K in [0, V].
+
+    Cost: one log_softmax over [S, V], one gather, one topk of K (none when K is 0).
+    """
+    if logits.dim() != 2 or tokens.shape != (logits.shape[0],):
+        raise ValueError(f"logits must be [S, V] and tokens [S], got {tuple(logits.shape)} "
+                         f"and {tuple(tokens.shape)}")
+    if not 0 <= num_top <= logits.shape[1]:
+        raise ValueError(f"num_top must be in [0, {logits.shape[1]}], got {num_top}")
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+    token = logp.gather(1, tokens.clamp_min(0).unsqueeze(1)).squeeze(1)  # [S]
+    if num_top == 0:
+        empty = logp.new_empty((logp.shape[0], 0))
+        return TokenLogprobs(token, empty.long(), empty)
+    top, top_ids = logp.topk(num_top, dim=-1)  # [S, K], descending
+    return TokenLogprobs(token, top_ids, top)
 
 
 # Top-p first looks for the nucleus among this many most likely tokens.

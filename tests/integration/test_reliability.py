@@ -179,13 +179,13 @@ async def test_reader_past_the_outbox_limit_is_closed_1008_and_cancelled(make_se
     slow = await small_window_connect(server.url, server.port, rcvbuf=2048)
     for i in range(16):
         await slow.send(generate_frame(f"s{i}", max_tokens=2000, ignore_eos=True))
+    # held: the front drops a connection from server.connections once its close is sent
+    await wait_until(lambda: server.connections, 30, "the connection")
+    conn = next(iter(server.connections))
     other = await RawClient.connect(server.url)  # a reader that keeps up is not affected
     await other.ws.send(generate_frame("fine", max_tokens=24, ignore_eos=True))
-
-    def overflowed() -> bool:
-        return any(c.outbox.overflowed and not c.in_flight for c in server.connections)
-
-    await wait_until(overflowed, 300, "the slow reader's outbox to overflow")
+    await wait_until(lambda: conn.outbox.overflowed and not conn.in_flight, 300,
+                     "the slow reader's outbox to overflow")
     codes = []
     try:
         while True:  # read again: what was buffered, then the close frame
@@ -198,6 +198,28 @@ async def test_reader_past_the_outbox_limit_is_closed_1008_and_cancelled(make_se
     assert frames[-1]["finish_reason"] == "length"
     assert len(other.text("fine")[1]) == 24
     await other.close()
+    await wait_idle(engine)
+    assert engine.scheduler.pool.usage == 0.0
+
+
+async def test_a_reader_that_never_reads_again_is_dropped_after_close_timeout(make_server):
+    # the backlog fills every buffer, so even the 1008 close frame cannot be sent: the TCP
+    # connection is dropped close_timeout later (no close frame reaches the client)
+    engine, server = await make_server(
+        _config(max_outbox_bytes=2048, write_limit_bytes=1024, socket_send_buffer_bytes=4096,
+                close_timeout=2, ping_interval=600), max_num_seqs=17)
+    slow = await small_window_connect(server.url, server.port, rcvbuf=2048)
+    for i in range(16):
+        await slow.send(generate_frame(f"s{i}", max_tokens=2000, ignore_eos=True))
+    await wait_until(lambda: server.connections, 30, "the connection")
+    conn = next(iter(server.connections))
+    await wait_until(lambda: conn.outbox.overflowed, 300, "the slow reader's outbox to overflow")
+    await wait_until(lambda: conn not in server.connections, 30,
+                     "the connection to be dropped after close_timeout")
+    with pytest.raises(ConnectionClosed) as info:
+        while True:  # what was buffered, then the end of the TCP stream
+            await slow.recv()
+    assert info.value.rcvd is None, info.value  # dropped, never closed with a frame
     await wait_idle(engine)
     assert engine.scheduler.pool.usage == 0.0
 

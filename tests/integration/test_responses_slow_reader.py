@@ -62,11 +62,13 @@ async def test_a_reader_past_the_outbox_limit_is_closed_1008_and_cancelled(make_
     ws = await small_window_connect(responses_url(server), server.port, rcvbuf=2048)
     for lane in range(8):  # eight lanes: the backlog builds within a few steps
         await ws.send(create(stream_id=f"l{lane}", max_output_tokens=2000))
-
-    def overflowed() -> bool:
-        return any(c.outbox.overflowed and not c.runs for c in server.connections)
-
-    await wait_until(overflowed, 300, "the slow reader's outbox to overflow")
+    # held, not looked up later: the front drops a connection from server.connections as
+    # soon as it has sent its close frame (the 16 first events of 8 lanes, queued at once,
+    # can be over 2048 bytes already; then that is within milliseconds)
+    await wait_until(lambda: server.connections, 30, "the connection")
+    conn = next(iter(server.connections))
+    await wait_until(lambda: conn.outbox.overflowed and not conn.runs, 300,
+                     "the slow reader's outbox to overflow")
     try:
         while True:  # what was buffered, then the close frame
             await ws.recv()

@@ -318,3 +318,39 @@ def test_cost_report() -> None:
                 best = min(best, time.perf_counter() - t0)
             assert out.shape == (batch,) and bool(((out >= 0) & (out < vocab)).all())
             print(f"\nsample B={batch} V={vocab} {name}: {best * 1e3:.2f} ms")
+
+
+# ---- log-probabilities ------------------------------------------------------------------
+
+def test_logprobs_are_the_raw_distribution_whatever_the_sampling_params() -> None:
+    from service.worker.sampler import compute_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 4
+    tokens = torch.tensor([7, 0, 49])
+    out = compute_logprobs(logits, tokens, 5)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(out.token.double(), ref[torch.arange(3), tokens], atol=1e-5)
+    want_top, want_ids = ref.topk(5, dim=-1)
+    assert torch.equal(out.top_ids, want_ids)
+    assert torch.allclose(out.top.double(), want_top, atol=1e-5)
+    assert (out.top[:, :-1] >= out.top[:, 1:]).all()  # most likely first
+    # a temperature or a cut would change them: these are the model's own (vLLM's default)
+    hot = compute_logprobs(logits / 0.5, tokens, 5)
+    assert not torch.allclose(hot.token, out.token)
+    assert out.top.exp().sum(-1).lt(1.0 + 1e-6).all() and out.token.le(0).all()
+
+
+def test_logprobs_of_half_logits_in_float32_and_edge_cases() -> None:
+    from service.worker.sampler import compute_logprobs
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [10.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    out = compute_logprobs(logits, torch.tensor([2, -1]), 0)
+    assert out.token.dtype == torch.float32 and out.top.shape == (2, 0)
+    assert out.top_ids.shape == (2, 0) and out.top_ids.dtype == torch.int64
+    assert abs(out.token[0].item() - math.log(0.25)) < 1e-6
+    assert out.token[1].item() > -1e-3  # a failed row (-1) reads as id 0, never an index error
+    with pytest.raises(ValueError, match="num_top"):
+        compute_logprobs(logits, torch.tensor([0, 0]), 5)
+    with pytest.raises(ValueError, match="tokens"):
+        compute_logprobs(logits, torch.tensor([0]), 1)

@@ -1,0 +1,99 @@
+"""The one front app: every route, over any EngineClient.
+
+    GET  /health                200 {"status": "ok", "model": ...} when serving (plus the
+                                engine's health_info, e.g. "replicas" on Ray); 503
+                                {"status": "starting" or "unavailable", "reason": ...}
+                                otherwise ("starting" while the reason starts so); never
+                                guarded (load balancers, orchestrators)
+    GET  /metrics               Prometheus text (the engine's, or every replica's)
+    GET  /                      the built-in chat page (service/static/chat.html)
+    WS   /v1/stream             the streaming protocol (PROTOCOL.md)
+    WS   /v1/responses          the OpenAI Responses API's WebSocket mode
+    GET  /v1/models             \\
+    POST /v1/chat/completions    > the OpenAI HTTP API (service/front/openai/)
+    POST /v1/completions        /
+
+Every route but /health is guarded (service/front/guard.py). `build_app` makes the same
+app for `conveyor serve` (an Engine behind it) and the Ray ingress (a RemoteEngine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from service.auth import AccessPolicy
+from service.config import ServerConfig
+from service.connection import Connection
+from service.engine_client import EngineClient
+from service.front.guard import WWW_AUTHENTICATE, refusal
+from service.front.openai.routes import OpenAIRoutes
+from service.front.sockets import SocketRoutes
+from service.responses import ResponsesConnection
+
+STREAM_PATH = "/v1/stream"
+RESPONSES_PATH = "/v1/responses"
+CHAT_PAGE = Path(__file__).resolve().parent.parent / "static" / "chat.html"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Front:
+    """What `build_app` made: the app and its parts (the server drains the sockets)."""
+
+    app: Starlette
+    sockets: SocketRoutes
+    openai: OpenAIRoutes
+
+
+def build_app(engine: EngineClient, config: ServerConfig,
+              refuse_while_draining: bool = False) -> Front:
+    """The Starlette app serving `engine` with `config`'s limits and access."""
+    access = AccessPolicy(config.api_key, config.allowed_origins)
+    sockets = SocketRoutes(engine, config, access, refuse_while_draining)
+    openai = OpenAIRoutes(engine, config, access)
+
+    def guarded(request: Request) -> Response | None:
+        refused = refusal(access, request.headers, request.url.query, request.url.path)
+        if refused is None:
+            return None
+        status, message = refused
+        return JSONResponse({"error": message}, status,
+                            headers=WWW_AUTHENTICATE if status == 401 else None)
+
+    async def health(request: Request) -> Response:
+        ok, why = engine.health()
+        if ok:
+            return JSONResponse({"status": "ok", "model": engine.model_name,
+                                 **engine.health_info()})
+        status = "starting" if why.startswith("starting") else "unavailable"
+        return JSONResponse({"status": status, "reason": why, **engine.health_info()}, 503)
+
+    async def metrics(request: Request) -> Response:
+        return guarded(request) or Response(await engine.metrics_text(), media_type=METRICS_TYPE)
+
+    async def chat_page(request: Request) -> Response:
+        return guarded(request) or HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"),
+                                                headers={"Cache-Control": "no-cache"})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return JSONResponse({"error": f"no route {request.url.path}"}, 404)
+
+    async def stream(ws: WebSocket) -> None:
+        await sockets.serve(ws, Connection)
+
+    async def responses(ws: WebSocket) -> None:
+        await sockets.serve(ws, ResponsesConnection)
+
+    routes = [Route("/health", health), Route("/metrics", metrics),
+              Route("/", chat_page), Route("/index.html", chat_page),
+              WebSocketRoute(STREAM_PATH, stream), WebSocketRoute(RESPONSES_PATH, responses),
+              *openai.routes()]
+    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    return Front(app, sockets, openai)

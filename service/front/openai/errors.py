@@ -1,0 +1,93 @@
+"""OpenAI's error body and HTTP statuses for the HTTP API.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature",
+               "code": "invalid_value"}}
+
+| status | type | when |
+|---|---|---|
+| 400 | invalid_request_error | a bad value, an unknown or unsupported field (`param` names it), a prompt over the context (`context_length_exceeded`) |
+| 401 | authentication_error | a missing or wrong API key |
+| 403 | permission_error | a browser Origin that is not allowed |
+| 404 | invalid_request_error | another model than the served one (`model_not_found`), no such route |
+| 413 | invalid_request_error | a body over `max_message_bytes` |
+| 429 | rate_limit_error | the admission queue is full (`overloaded`), with Retry-After (s) |
+| 503 | service_unavailable | shutting down, with Retry-After |
+| 500 | server_error | the engine failed |
+
+An error once an SSE stream has begun is its last `data:` chunk (this body), then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from starlette.responses import JSONResponse
+
+from protocol import Error, Overloaded, ProtocolError
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable", 500: "server_error"}
+_STATUS = {"invalid_request": 400, "duplicate_id": 400, "context_length_exceeded": 400,
+           "overloaded": 429, "too_many_requests": 429, "shutting_down": 503,
+           "unauthorized": 401, "internal_error": 500}
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
+class OpenAIError(Exception):
+    """One OpenAI error answer: HTTP `status`, `message`, `param` (the request's field, e.g.
+    "messages[0].content") and `code`; `retry_after_s` sets Retry-After."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(self.retry_after_s)}
+        return JSONResponse(self.body(), self.status, headers=headers)
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
+    """A 400 naming `param`."""
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def param_of(path: str | None, renames: dict[str, str]) -> str | None:
+    """The wire's JSON path -> the OpenAI request's field: "$.params.top_p" -> "top_p",
+    "$.messages[2].role" -> "messages[2].role"; `renames` maps our params back to the
+    field the client sent (max_tokens -> max_completion_tokens)."""
+    if path is None:
+        return None
+    p = path.removeprefix("$.").removeprefix("params.")
+    head, sep, tail = p.partition(".")
+    base = head.split("[")[0]
+    if base in renames:
+        head = renames[base] + head[len(base):]
+    p = head + sep + tail
+    return {"prompt_token_ids": "prompt"}.get(p, p.replace("prompt_token_ids", "prompt"))
+
+
+def from_protocol(e: ProtocolError | Error, renames: dict[str, str]) -> OpenAIError:
+    """The OpenAI error for an engine refusal (a ProtocolError or an `error` event)."""
+    status = _STATUS.get(e.code, 500)
+    retry = None
+    if isinstance(e, Overloaded) or e.code in ("overloaded", "too_many_requests"):
+        ms = getattr(e, "retry_after_ms", None) or 1000
+        retry = max(1, math.ceil(ms / 1000))
+    elif e.code == "shutting_down":
+        retry = SHUTDOWN_RETRY_AFTER_S
+    code = None if e.code in ("invalid_request", "internal_error") else e.code
+    return OpenAIError(status, e.message, param=param_of(e.param, renames), code=code,
+                       retry_after_s=retry)

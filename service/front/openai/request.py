@@ -1,0 +1,237 @@
+"""An OpenAI request body -> what to ask the engine, checked field by field (pure).
+
+Served (OpenAI's names; the engine checks every value's range as the wire does):
+    both:  model (absent or the served name), max_tokens, temperature, top_p, seed,
+           stop (a string or up to 8), n (1..MAX_N; choice i of a seeded request uses
+           seed + i), user, stream, stream_options.include_usage; the extras vLLM accepts:
+           top_k, min_p, ignore_eos, priority, stop_token_ids; presence_penalty /
+           frequency_penalty only at 0
+    chat:  messages (role system / developer (sent as system) / user / assistant / tool,
+           content a string or a list of {"type": "text", "text"} parts),
+           max_completion_tokens, response_format {"type": "text"}, empty tools,
+           tool_choice "none", parallel_tool_calls
+    completions: prompt (a string, a list of strings, token ids, a list of token-id
+           lists; each prompt gets n choices), echo, best_of (= n)
+Refused with 400 naming the field: logprobs / top_logprobs (not served yet), tools,
+functions, tool_choice other than "none", response_format other than text, logit_bias,
+suffix, audio, modalities, prediction, web_search_options, and any unknown field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.front.openai.errors import OpenAIError, bad
+
+MAX_N = 16
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user", "stream",
+           "stream_options", "top_k", "min_p", "ignore_eos", "priority", "stop_token_ids",
+           "presence_penalty", "frequency_penalty", "logprobs", "metadata", "store",
+           "service_tier"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools",
+                   "tool_choice", "parallel_tool_calls", "top_logprobs"}
+_COMPLETIONS = _COMMON | {"prompt", "echo", "best_of"}
+_UNSUPPORTED = {"functions", "function_call", "logit_bias", "suffix", "audio", "modalities",
+                "prediction", "web_search_options", "reasoning_effort", "verbosity"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one HTTP request asks for.
+
+    prompts: add_request keyword sets (`messages=`, `prompt=` or `prompt_token_ids=`), one
+        per prompt; choices: len(prompts) x n, choice index = prompt index x n + j.
+    params: SamplingParams fields (the engine checks them); renames: our param -> the
+        field the client named (for error `param`s).
+    echo_texts: per prompt, text to put before each completion (completions' echo).
+    """
+
+    kind: str
+    prompts: list[dict[str, Any]]
+    params: dict[str, Any]
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    renames: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def _type(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(name, f"{name} must be {what}, got a boolean", "invalid_type")
+    if not isinstance(value, types):
+        raise bad(name, f"{name} must be {what}, got {type(value).__name__}", "invalid_type")
+    return value
+
+
+def _check_fields(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
+    for name in body:
+        if name in _UNSUPPORTED:
+            raise bad(name, f"{name} is not supported by this server", "unsupported_parameter")
+        if name not in allowed:
+            raise bad(name, f"unknown parameter {name!r}", "unknown_parameter")
+    return body
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = _type(body, "model", str, "a string")
+    if model is not None and model != served:
+        raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                          f"{served!r}", param="model", code="model_not_found")
+
+
+def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tuple[int, bool, bool]:
+    for name in ("temperature", "top_p", "min_p"):
+        v = _type(body, name, (int, float), "a number")
+        if v is not None:
+            params[name] = float(v)
+    for name in ("top_k", "seed", "priority", "max_tokens"):
+        v = _type(body, name, int, "an integer")
+        if v is not None:
+            params[name] = v
+    if body.get("top_k") == -1:  # vLLM's "off"
+        params["top_k"] = 0
+    v = _type(body, "ignore_eos", bool, "a boolean")
+    if v is not None:
+        params["ignore_eos"] = v
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        params["stop"] = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        params["stop"] = stop
+    elif stop is not None:
+        raise bad("stop", "stop must be a string or a list of strings", "invalid_type")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                for i in ids):
+            raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
+        params["stop_token_ids"] = ids
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _type(body, name, (int, float), "a number")
+        if v:
+            raise bad(name, f"{name} is not supported (only 0)", "unsupported_value")
+    if body.get("logprobs"):
+        raise bad("logprobs", "logprobs are not served yet", "unsupported_parameter")
+    _type(body, "user", str, "a string")
+    n = _type(body, "n", int, "an integer")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"n must be in [1, {MAX_N}], got {n}")
+    stream = bool(_type(body, "stream", bool, "a boolean"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage",
+                                                            "continuous_usage_stats"}:
+            raise bad("stream_options", "stream_options may only hold include_usage")
+        if not stream:
+            raise bad("stream_options", "stream_options is only allowed with stream: true")
+        include_usage = bool(options.get("include_usage"))
+    return n, stream, include_usage
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"{where}.content[{j}]", f"only text parts are served, got {kind!r}",
+                          "unsupported_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content", "content must be a string or a list of text parts",
+              "invalid_type")
+
+
+def chat_plan(body: Any, served_model: str) -> Plan:
+    """POST /v1/chat/completions. Raises OpenAIError (400 with `param`, 404 model)."""
+    body = _check_fields(body, _CHAT)
+    _check_model(body, served_model)
+    params: dict[str, Any] = {}
+    renames: dict[str, str] = {}
+    n, stream, include_usage = _common(body, params, renames)
+    mct = _type(body, "max_completion_tokens", int, "an integer")
+    if mct is not None:
+        params["max_tokens"] = mct
+        renames["max_tokens"] = "max_completion_tokens"
+    if body.get("top_logprobs") is not None:
+        raise bad("top_logprobs", "logprobs are not served yet", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is served",
+                  "unsupported_value")
+    if body.get("tools"):
+        raise bad("tools", "tools are not supported by this server", "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad("tool_choice", "tool_choice is not supported (only \"none\")",
+                  "unsupported_value")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty list", "invalid_type"
+                  if messages is not None else "missing_required_parameter")
+    turns = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "each message must be an object", "invalid_type")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            key = sorted(extra)[0]
+            raise bad(f"{where}.{key}", f"{key} is not supported in messages",
+                      "unsupported_parameter")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role", f"unknown role {role!r}")
+        turns.append({"role": _ROLES[role], "content": _content(m.get("content"), where)})
+    return Plan("chat", [{"messages": turns}], params, n, stream, include_usage,
+                renames=renames)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and
+                                                   not isinstance(t, bool) for t in x)
+
+
+def completion_plan(body: Any, served_model: str) -> Plan:
+    """POST /v1/completions. Raises OpenAIError (400 with `param`, 404 model)."""
+    body = _check_fields(body, _COMPLETIONS)
+    _check_model(body, served_model)
+    params: dict[str, Any] = {}
+    n, stream, include_usage = _common(body, params, {})
+    best_of = _type(body, "best_of", int, "an integer")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", "best_of is only served equal to n", "unsupported_value")
+    echo = bool(_type(body, "echo", bool, "a boolean"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [{"prompt": prompt}]
+    elif _is_ids(prompt):
+        prompts = [{"prompt_token_ids": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [{"prompt": p} for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
+        prompts = [{"prompt_token_ids": p} for p in prompt]
+    else:
+        raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids "
+                  "or a list of token-id lists", "invalid_type" if prompt is not None
+                  else "missing_required_parameter")
+    if len(prompts) * n > 4 * MAX_N:
+        raise bad("prompt", f"at most {4 * MAX_N} choices (prompts x n) per request")
+    return Plan("completion", prompts, params, n, stream, include_usage, echo)

@@ -1,0 +1,148 @@
+"""The OpenAI HTTP routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Each request: access (401 / 403) -> body (413 over `max_message_bytes`, 400 not JSON)
+-> Plan (400 naming the field, 404 another model) -> every choice admitted by the
+engine (its refusal: 400 / 429 / 503 with Retry-After) -> a JSON body, or SSE
+(`text/event-stream`: `data: {chunk}` lines, then `data: [DONE]`). A client that
+disconnects aborts its choices. `/metrics` counts each request by route and status
+(`conveyor:http_requests_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from service.auth import AccessPolicy
+from service.config import ServerConfig
+from service.engine_client import EngineClient
+from service.front.guard import WWW_AUTHENTICATE, refusal
+from service.front.openai.errors import OpenAIError
+from service.front.openai.request import Plan, chat_plan, completion_plan
+from service.front.openai.run import Run
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+MODELS_PATH = "/v1/models"
+
+
+class OpenAIRoutes:
+    """The OpenAI HTTP API over `engine`; `runs` are the requests in flight."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig, access: AccessPolicy) -> None:
+        self.engine = engine
+        self.config = config
+        self.access = access
+        self.runs: set[Run] = set()
+        self.created = int(time.time())
+
+    def routes(self) -> list[Route]:
+        return [Route(MODELS_PATH, self.models, methods=["GET"]),
+                Route(CHAT_PATH, self.chat, methods=["POST"]),
+                Route(COMPLETIONS_PATH, self.completions, methods=["POST"])]
+
+    def abort_all(self) -> None:
+        """Cancel every HTTP request in flight (a forced shutdown)."""
+        for run in list(self.runs):
+            run.abort()
+
+    def _count(self, route: str, status: int) -> None:
+        metrics = self.engine.metrics
+        if metrics is not None:
+            metrics.http_request(route, status)
+
+    def _guard(self, request: Request) -> None:
+        refused = refusal(self.access, request.headers, request.url.query, request.url.path)
+        if refused is not None:
+            status, message = refused
+            raise OpenAIError(status, message, code="invalid_api_key" if status == 401 else
+                              "origin_not_allowed")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._guard(request)
+        except OpenAIError as e:
+            self._count(MODELS_PATH, e.status)
+            return self._error(e)
+        self._count(MODELS_PATH, 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.engine.model_name, "object": "model", "created": self.created,
+             "owned_by": "conveyor", "max_model_len": self.engine.max_model_len}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, CHAT_PATH, chat_plan, "chatcmpl")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, COMPLETIONS_PATH, completion_plan, "cmpl")
+
+    def _error(self, e: OpenAIError) -> Response:
+        response = e.response()
+        if e.status == 401:
+            response.headers.update(WWW_AUTHENTICATE)
+        return response
+
+    async def _body(self, request: Request) -> Any:
+        limit = self.config.max_message_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, f"the body ({declared} bytes) is over the limit of {limit}",
+                              code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise OpenAIError(413, f"the body is over the limit of {limit} bytes",
+                                  code="request_too_large")
+            chunks.append(chunk)
+        try:
+            return msgspec.json.decode(b"".join(chunks))
+        except msgspec.DecodeError as e:
+            raise OpenAIError(400, f"the body is not valid JSON: {e}", code="invalid_json") \
+                from None
+
+    async def _serve(self, request: Request, route: str,
+                     make_plan: Callable[[Any, str], Plan], kind_id: str) -> Response:
+        run: Run | None = None
+        try:
+            self._guard(request)
+            plan = make_plan(await self._body(request), self.engine.model_name)
+            run = Run(self.engine, plan, kind_id)
+            self.runs.add(run)
+            await run.start()
+        except OpenAIError as e:
+            if run is not None:
+                self.runs.discard(run)
+            self._count(route, e.status)
+            return self._error(e)
+        watcher = asyncio.get_running_loop().create_task(run.watch(request.receive))
+        if plan.stream:
+            self._count(route, 200)
+            return StreamingResponse(self._streamed(run, watcher),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        try:
+            body = await run.body()
+        except OpenAIError as e:
+            self._count(route, e.status)
+            return self._error(e)
+        finally:
+            watcher.cancel()
+            self.runs.discard(run)
+        self._count(route, 200)
+        return JSONResponse(body)
+
+    async def _streamed(self, run: Run, watcher: asyncio.Task[None]):
+        try:
+            async for chunk in run.sse():
+                yield chunk
+        finally:
+            watcher.cancel()
+            self.runs.discard(run)

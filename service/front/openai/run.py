@@ -1,0 +1,203 @@
+"""One OpenAI HTTP request in flight: its choices as engine requests, their events, and
+the response built from them (one JSON body, or SSE chunks).
+
+Each choice is one engine request (`add_request(..., sink=...)`); the n choices of a
+prompt share its prefix in the KV cache (prefix caching). Every event lands in one queue
+as (choice index, event). A client that goes away (the ASGI `http.disconnect`, watched
+by a task of its own) aborts every choice still running: their KV blocks return within
+a step, as a closed WebSocket's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from protocol import Delta, Done, Error, ProtocolError
+from service.engine_client import EngineClient
+from service.front.openai.errors import OpenAIError, from_protocol
+from service.front.openai.request import Plan
+
+log = structlog.get_logger(__name__)
+_encode = msgspec.json.Encoder().encode
+FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+class Run:
+    """The engine requests of one Plan. `await start()` admits every choice (all or none);
+    then `body()` (not streamed) or `sse()` (streamed)."""
+
+    def __init__(self, engine: EngineClient, plan: Plan, kind_id: str) -> None:
+        self.engine = engine
+        self.plan = plan
+        self.id = f"{kind_id}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model = engine.model_name
+        self.keys: list[str] = []
+        self.finished: set[int] = set()
+        self.done: dict[int, Done] = {}
+        self.texts: dict[int, list[str]] = {}
+        self.queue: asyncio.Queue[tuple[int, Delta | Error | Done]] = asyncio.Queue()
+        self.error: OpenAIError | None = None
+
+    # ---- admission and cancel ------------------------------------------------------------
+    async def start(self) -> None:
+        """Admit every choice. Raises OpenAIError (the engine's refusal); the choices
+        admitted before it are aborted."""
+        plan = self.plan
+        try:
+            for i in range(plan.num_choices):
+                prompt = plan.prompts[i // plan.n]
+                params = dict(plan.params)
+                if plan.n > 1 and params.get("seed") is not None:
+                    params["seed"] = (params["seed"] + i % plan.n + 2**63) % 2**64 - 2**63
+                key = f"{self.id}/{i}"
+                self.keys.append(key)
+                await self.engine.add_request(**prompt, params=params, request_id=key,
+                                              client_id=key, sink=self._sink(i),
+                                              connection_id=self.id)
+        except ProtocolError as e:
+            self.keys.pop()  # never queued
+            self.abort()
+            raise from_protocol(e, plan.renames) from None
+        except BaseException:
+            self.keys.pop()
+            self.abort()
+            raise
+
+    def _sink(self, i: int) -> Callable[[Delta | Error | Done], None]:
+        def sink(event: Delta | Error | Done) -> None:
+            if isinstance(event, Done):
+                self.finished.add(i)
+            self.queue.put_nowait((i, event))
+        return sink
+
+    def abort(self) -> None:
+        """Cancel every choice still running (each still ends with its Done)."""
+        for i, key in enumerate(self.keys):
+            if i not in self.finished:
+                self.engine.abort(key)
+
+    async def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Abort when the client disconnects (the request body was read already)."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                log.info("http_client_disconnected", request_id=self.id,
+                         running=len(self.keys) - len(self.finished))
+                self.abort()
+                return
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta | Error | Done]]:
+        """Every choice's events until each has its Done."""
+        n = len(self.keys)
+        ended = 0
+        while ended < n:
+            i, event = await self.queue.get()
+            if isinstance(event, Done):
+                ended += 1
+                self.done[i] = event
+            elif isinstance(event, Error) and self.error is None:
+                self.error = from_protocol(event, self.plan.renames)
+            yield i, event
+
+    # ---- what is sent ---------------------------------------------------------------------
+    def usage(self) -> dict[str, Any]:
+        plan = self.plan
+        firsts = [self.done[i] for i in range(0, plan.num_choices, plan.n) if i in self.done]
+        prompt = sum(d.usage.prompt_tokens for d in firsts)
+        cached = sum(d.usage.cached_tokens for d in firsts)
+        completion = sum(d.usage.completion_tokens for d in self.done.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def echo_text(self, i: int) -> str:
+        prompt = self.plan.prompts[i // self.plan.n]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+
+    def _object(self, chunk: bool) -> str:
+        if self.plan.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def _choice(self, i: int, text: str | None, finish: str | None, first: bool = False
+                ) -> dict[str, Any]:
+        if self.plan.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        c: dict[str, Any] = {"id": self.id, "object": self._object(True),
+                             "created": self.created, "model": self.model, "choices": choices}
+        if self.plan.include_usage:
+            c["usage"] = usage
+        return b"data: " + _encode(c) + b"\n\n"
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The SSE body: chunks, maybe a final error chunk, then `data: [DONE]`."""
+        n = len(self.keys)
+        if self.plan.kind == "chat":
+            for i in range(n):
+                yield self._chunk([self._choice(i, "", None, first=True)])
+        elif self.plan.echo:
+            for i in range(n):
+                yield self._chunk([self._choice(i, self.echo_text(i), None)])
+        try:
+            async for i, event in self.events():
+                if isinstance(event, Delta):
+                    if event.text:
+                        yield self._chunk([self._choice(i, event.text, None)])
+                elif isinstance(event, Done) and event.finish_reason != "error":
+                    yield self._chunk([self._choice(i, None if self.plan.kind == "chat"
+                                                    else "", FINISH[event.finish_reason])])
+                elif isinstance(event, Done):
+                    self.abort()
+            if self.error is not None:
+                yield b"data: " + _encode(self.error.body()) + b"\n\n"
+            elif self.plan.include_usage:
+                yield self._chunk([], self.usage())
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.abort()
+
+    async def body(self) -> dict[str, Any]:
+        """The whole answer (not streamed). Raises OpenAIError when a choice failed."""
+        try:
+            async for i, event in self.events():
+                if isinstance(event, Delta):
+                    self.texts.setdefault(i, []).append(event.text)
+                elif isinstance(event, Done) and event.finish_reason == "error":
+                    self.abort()
+        finally:
+            self.abort()
+        if self.error is not None:
+            raise self.error
+        choices = []
+        for i in range(len(self.keys)):
+            text = "".join(self.texts.get(i, ()))
+            finish = FINISH[self.done[i].finish_reason]
+            if self.plan.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish})
+            else:
+                if self.plan.echo:
+                    text = self.echo_text(i) + text
+                choices.append({"index": i, "text": text, "logprobs": None,
+                                "finish_reason": finish})
+        return {"id": self.id, "object": self._object(False), "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage(),
+                "system_fingerprint": None}

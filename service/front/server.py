@@ -1,0 +1,148 @@
+"""FrontServer: the front app on uvicorn, on one port, for one process (`conveyor serve`).
+
+    server = await FrontServer(engine, ServerConfig(port=0)).start()
+    server.port, server.url          # ws://127.0.0.1:PORT/v1/stream
+    await server.shutdown()          # graceful drain, then close()
+
+uvicorn (HTTP/1.1 by httptools or h11; WebSockets by the websockets library, with
+Conveyor's socket settings: service/front/ws_protocol.py; `ws_impl`, default
+$CONVEYOR_WS_IMPL or "websockets-sansio") serves `service.front.app`.
+uvicorn's own signal handling is off: the caller (`service.cli`) owns SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+
+import structlog
+import uvicorn
+
+from service.config import ServerConfig
+from service.engine_client import EngineClient
+from service.front.app import STREAM_PATH, build_app
+from service.front.ws_protocol import ws_protocol
+from service.socket_actor import SocketActor
+
+log = structlog.get_logger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the CLI handles signals
+        yield
+
+
+class FrontServer:
+    """Serves `engine` on `config.host:config.port` (port 0 picks a free port).
+
+    Use `await start()`, then `port` and `url`; `await shutdown(timeout)` drains
+    gracefully; `await close()` closes every socket with 1001 and stops listening.
+    """
+
+    def __init__(self, engine: EngineClient, config: ServerConfig | None = None,
+                 ws_impl: str | None = None) -> None:
+        self.engine = engine
+        self.ws_impl = ws_impl or os.environ.get("CONVEYOR_WS_IMPL", "websockets-sansio")
+        self.config = config or ServerConfig()
+        self.front = build_app(engine, self.config)
+        self._sock: socket.socket | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def connections(self) -> set[SocketActor]:
+        """The open WebSockets' actors."""
+        return self.front.sockets.connections
+
+    @property
+    def refused_connections(self) -> int:
+        return self.front.sockets.refused_connections
+
+    async def start(self) -> FrontServer:
+        c = self.config
+        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((c.host, c.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._sock = sock
+        config = uvicorn.Config(
+            self.front.app, ws=ws_protocol(c, self.ws_impl), ws_max_size=c.max_message_bytes,
+            ws_ping_interval=c.ping_interval, ws_ping_timeout=c.ping_timeout,
+            ws_per_message_deflate=False, lifespan="off", log_config=None,
+            access_log=False, timeout_graceful_shutdown=c.close_timeout,
+            server_header=False)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        self._server = server = _Server(config)
+        self._task = asyncio.create_task(server.serve(sockets=[sock]), name="conveyor-front")
+        while not server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.005)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self._sock is not None, "start() first"
+        return self._sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"ws://{host}:{self.port}{STREAM_PATH}"
+
+    @property
+    def http_url(self) -> str:
+        """http://HOST:PORT (the OpenAI SDK's base_url is this + "/v1")."""
+        return "http" + self.url[2:].rsplit(STREAM_PATH, 1)[0]
+
+    async def shutdown(self, timeout: float | None = None,
+                       force: asyncio.Event | None = None) -> bool:
+        """Graceful drain, then `close()`.
+
+        New requests get `shutting_down` and /health turns 503 at once; requests in flight
+        may finish for `timeout` seconds (default `config.shutdown_timeout`) or until
+        `force` is set, then are cancelled (each still gets its `done`, "cancelled"); the
+        queued frames are sent and every socket is closed with 1001.
+        Returns True when every request finished on its own.
+        """
+        timeout = self.config.shutdown_timeout if timeout is None else timeout
+        self.engine.begin_shutdown()
+        log.info("shutdown_started", requests_in_flight=self.engine.num_unfinished,
+                 timeout_s=timeout)
+        waits = [asyncio.ensure_future(self.engine.wait_idle(timeout))]
+        if force is not None:
+            waits.append(asyncio.ensure_future(force.wait()))
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        finished = waits[0] in done and waits[0].result()
+        if not finished:
+            log.warning("shutdown_cancelling", requests_in_flight=self.engine.num_unfinished)
+            for conn in list(self.connections):
+                conn.abort_all()
+            self.front.openai.abort_all()
+            await self.engine.wait_idle(self.config.close_timeout)
+        await self.close()
+        log.info("shutdown_finished", all_finished=finished)
+        return finished
+
+    async def close(self) -> None:
+        """Send what is queued, close every socket with 1001 and stop listening. Idempotent."""
+        if self._server is None or self._task is None:
+            return
+        await asyncio.gather(*(conn.shutdown() for conn in list(self.connections)))
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def serve_forever(self) -> None:
+        assert self._task is not None, "start() first"
+        await asyncio.shield(self._task)

@@ -1,0 +1,178 @@
+"""The OpenAI HTTP API on the real server and model, through the official `openai` SDK,
+LangChain's ChatOpenAI (an independent client) and raw HTTP: streamed and not, usage,
+n, echo, errors naming their field, auth, and a mid-stream disconnect."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from service.config import ServerConfig
+from tests.integration.openai_server import ThreadedServer
+
+pytestmark = pytest.mark.model
+
+KEY = "test-key-123"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(loaded_model):
+    s = ThreadedServer(loaded_model, ServerConfig(port=0, api_key=KEY, max_message_bytes=64_000),
+                       max_num_seqs=8).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=300)
+
+
+def wait_idle(server: ThreadedServer, seconds: float = 30) -> tuple[int, float]:
+    deadline = time.monotonic() + seconds
+    state = server.idle()
+    while state != (0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        state = server.idle()
+    return state
+
+
+def test_sdk_streams_chat_with_usage(server, client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.completion_tokens <= 24 and usage.prompt_tokens > 10
+    # the same request not streamed: the same greedy text
+    whole = client.chat.completions.create(messages=QUESTION, max_completion_tokens=24,
+                                           temperature=0, model="SmolLM2-135M-Instruct")
+    assert whole.choices[0].message.content == text
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0  # the prefix cache served it
+
+
+def test_sdk_completions_with_usage_n_and_echo(server, client):
+    out = client.completions.create(model="SmolLM2-135M-Instruct",
+                                    prompt=["The capital of France is", "One, two, three,"],
+                                    max_tokens=6, temperature=0.8, seed=7, n=2)
+    assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+    assert out.usage.completion_tokens <= 24 and out.usage.prompt_tokens > 0
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello there",
+                                       max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("Hello there")
+    ids = server.call(lambda: server.engine.tokenizer.encode("Once upon a time"))
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids,
+                                         max_tokens=5, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True, "top_k": 5})
+    parts = list(streamed)
+    assert "".join(p.choices[0].text for p in parts if p.choices)
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_langchain_chat_openai_invoke_and_stream(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.base_url, api_key=KEY, model="SmolLM2-135M-Instruct",
+                     temperature=0, max_tokens=24, max_retries=0, timeout=300)
+    answer = llm.invoke("What is the capital of France?")
+    assert "Paris" in answer.content
+    assert answer.usage_metadata["output_tokens"] > 0
+    pieces = [c.content for c in llm.stream("What is the capital of France?")]
+    assert "Paris" in "".join(pieces) and len([p for p in pieces if p]) > 1
+
+
+BAD = [
+    ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"), ({"seed": 2**64}, "seed"),
+    ({"stop": 5}, "stop"), ({"stop": ["a"] * 9}, "stop"), ({"n": 0}, "n"), ({"n": 99}, "n"),
+    ({"user": 5}, "user"), ({"stream": "yes"}, "stream"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"ignore_eos": 1}, "ignore_eos"), ({"priority": 1.5}, "priority"),
+    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
+                                     "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
+def test_bad_chat_field_is_400_naming_it(server, extra, param):
+    body = {"messages": QUESTION, "max_tokens": 4, **extra}
+    r = httpx.post(server.base_url + "/chat/completions", json=body,
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and \
+        error["message"]
+
+
+def test_bad_completion_fields_and_http_errors(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = server.base_url
+    for extra, param in [({"prompt": 5}, "prompt"), ({"prompt": [[1, 2], "a"]}, "prompt"),
+                         ({"prompt": [10**9]}, "prompt[0]"), ({"echo": "x"}, "echo"),
+                         ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix")]:
+        r = httpx.post(url + "/completions", json={"prompt": "hi", **extra}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = httpx.post(url + "/chat/completions", json={"messages": QUESTION})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    r = httpx.post(url + "/chat/completions", json={"messages": QUESTION, "model": "gpt-9"},
+                   headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url + "/chat/completions", headers=auth,
+                   json={"messages": [{"role": "user", "content": "x" * 70_000}]})
+    assert r.status_code == 413 and r.json()["error"]["param"] is None
+    r = httpx.post(url + "/chat/completions", headers=auth, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers=auth).text
+    assert 'conveyor:http_requests_total{model_name="SmolLM2-135M-Instruct",' \
+           'route="/v1/chat/completions",status="400"}' in metrics
+
+
+def test_mid_stream_disconnect_aborts_and_frees_the_kv_cache(server):
+    body = json.dumps({"messages": QUESTION, "max_tokens": 2000, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=120)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body)
+    received = b""
+    while received.count(b'"content":"') < 5:  # a few content chunks: it is running
+        data = sock.recv(65536)
+        assert data, received
+        received += data
+    assert received.startswith(b"HTTP/1.1 200")
+    running, usage = server.idle()
+    assert running == 1 and usage > 0
+    sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    sock.close()
+    assert wait_idle(server) == (0, 0.0)
