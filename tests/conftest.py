@@ -12,6 +12,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests' own kernel builds and linear-kernel timings go to a cache of their own: timings
+# taken while the suite's servers compete for the cores must never reach the cache that
+# `conveyor serve` reads (once they made an idle server decode on fp32 kernels, 4x slower).
+# Subprocesses (servers, benches) inherit it. A caller's CONVEYOR_CACHE_DIR wins.
+os.environ.setdefault("CONVEYOR_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "tests"))
+
 
 @pytest.fixture(scope="session")
 def loaded_model():
