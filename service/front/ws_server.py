@@ -36,6 +36,7 @@ from service.auth import AccessPolicy, RedactingLogger
 from service.config import ServerConfig
 from service.connection import Connection
 from service.engine_client import EngineClient
+from service.front.drain import drain
 from service.responses import ResponsesConnection
 from service.socket_actor import SocketActor
 
@@ -105,24 +106,16 @@ class ConveyorServer:
         Returns True when every request finished on its own.
         """
         timeout = self.config.shutdown_timeout if timeout is None else timeout
-        self.engine.begin_shutdown()
-        log.info("shutdown_started", requests_in_flight=self.engine.num_unfinished,
-                 timeout_s=timeout)
-        waits = [asyncio.ensure_future(self.engine.wait_idle(timeout))]
-        if force is not None:
-            waits.append(asyncio.ensure_future(force.wait()))
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        finished = waits[0] in done and waits[0].result()
-        if not finished:
-            log.warning("shutdown_cancelling", requests_in_flight=self.engine.num_unfinished)
-            for conn in list(self.connections):
-                conn.abort_all()
-            await self.engine.wait_idle(self.config.close_timeout)
+        finished = await drain(self.engine, timeout, self.config.close_timeout, force,
+                               self._abort_all)
         await self.close()
         log.info("shutdown_finished", all_finished=finished)
         return finished
+
+    def _abort_all(self) -> None:
+        """Cancel every request of every connection (drain's last resort)."""
+        for conn in list(self.connections):
+            conn.abort_all()
 
     async def close(self) -> None:
         """Send what is queued, close every socket with 1001 and stop listening. Idempotent."""
