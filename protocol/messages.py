@@ -11,8 +11,9 @@ with `msgspec.convert(values, SamplingParams)`.
 Unknown fields are ignored on decode (the usual JSON API convention), so a
 newer peer may add fields without breaking an older one.
 
-`Generate`, `Ping`, `Pong` and `Error` use `omit_defaults` (absent prompt
-forms, default params, a missing `t`, `retry_after_ms` outside `overloaded`).
+`Generate`, `Ping`, `Pong`, `Delta` and `Error` use `omit_defaults` (absent prompt
+forms, default params, a missing `t`, a delta's logprobs when none were asked for,
+`retry_after_ms` outside `overloaded`).
 Every field PROTOCOL.md's examples show is always encoded: those fields have
 no default (`Error.id`, `Error.param`, `Error.retryable`) or live in Structs
 without `omit_defaults` (`SamplingParams`, `Usage.cached_tokens`, `Timings`).
@@ -30,6 +31,9 @@ PROTOCOL_VERSION = 1
 MAX_ID_LENGTH = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+"""Most alternatives per token that `logprobs` / `prompt_logprobs` may ask for (vLLM's
+default `max_logprobs`)."""
 
 # Integer and float ranges (issue 14): every number that reaches the engine's
 # arithmetic (policies, sampler, generators) is bounded here, at the boundary.
@@ -96,6 +100,19 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
         priority: int in [-2**63, 2**63 - 1] (64-bit); lower is served first (the
             vLLM convention).
         ttft_slo_ms: float in (0, 1e9] or None, target time to first token in ms.
+        logprobs: int in [0, 20] or None: each generated token's log-probability and
+            those of the `logprobs` most likely tokens at its position (0: the token's
+            own only), in `Delta.logprobs`. None: none (the default).
+        prompt_logprobs: int in [0, 20] or None: the same for every prompt token, in the
+            first `Delta.prompt_logprobs` (the first prompt token has none). A request
+            that asks is never served from the prefix cache (vLLM does the same), so
+            every prompt position is computed.
+
+    Both come from the model's own distribution, log_softmax of the raw logits, before
+    temperature and the top-k / top-p / min-p cuts (vLLM's default, "raw_logprobs";
+    `service.worker.sampler.compute_logprobs`). They are served on the OpenAI HTTP
+    routes and in-process; the WebSocket protocol (PROTOCOL.md) has no such fields and
+    refuses them.
     """
 
     max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
@@ -111,6 +128,21 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     priority: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     ttft_slo_ms: Annotated[float, Meta(gt=0.0, le=MAX_TTFT_SLO_MS)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True, gc=False):
+    """One token's log-probability (natural log) and its position's most likely tokens.
+
+    logprob: of the token itself (sampled, or the prompt's next token); -inf when the
+        model gives it probability 0.
+    top: (token id, log-probability) of the K most likely tokens, most likely first
+        (K = the request's `logprobs` / `prompt_logprobs`; empty for 0).
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class ChatMessage(Struct, frozen=True):
@@ -197,17 +229,27 @@ class Accepted(_Frame, tag="accepted"):
     prompt_tokens: int
 
 
-class Delta(_Frame, tag="delta", gc=False):
+class Delta(_Frame, tag="delta", gc=False, omit_defaults=True):
     """New completion text of request `id`.
 
     `index` is the completion position of `token_ids[0]`; `text` is whole
     UTF-8 characters. Consecutive deltas may arrive merged into one.
+
+    Only for requests whose params ask (never on the WebSocket protocol, so its deltas
+    encode as PROTOCOL.md shows them): `logprobs`, one `TokenLogprob` per id in
+    `token_ids`; `prompt_logprobs`, on the request's first delta only, one per prompt
+    token, None for the first (nothing predicts it), with the prompt's `prompt_token_ids`
+    (the engine's tokenization). A first delta may then carry no token at all (the first
+    token sampled was EOS).
     """
 
     id: str
     index: int
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Usage(Struct, kw_only=True, gc=False):
@@ -265,6 +307,7 @@ ServerMessage = Union[Hello, Pong, Accepted, Delta, Done, Error]
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MAX_ID_LENGTH",
+    "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",
     "PROTOCOL_VERSION",
@@ -285,6 +328,7 @@ __all__ = [
     "SamplingParams",
     "ServerMessage",
     "Timings",
+    "TokenLogprob",
     "Usage",
 ]
 

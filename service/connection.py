@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import structlog
 
 from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
-                      InternalError, Ping, Pong, ProtocolError, TooManyRequests,
+                      InternalError, InvalidRequest, Ping, Pong, ProtocolError, TooManyRequests,
                       decode_client_frame)
 from service.request_stream import Event
 from service.socket_actor import CLOSE_GOING_AWAY, CLOSE_POLICY_VIOLATION, SocketActor
@@ -88,6 +88,11 @@ class Connection(SocketActor):
         if msg.id in self.in_flight:
             raise DuplicateId(f"request id {msg.id!r} is already in flight on this connection",
                               param="$.id", request_id=msg.id)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(msg.params, name) is not None:  # not in PROTOCOL.md: refused, not dropped
+                raise InvalidRequest(f"{name} are not part of this protocol; the OpenAI HTTP "
+                                     f"routes (/v1/completions, /v1/chat/completions) serve "
+                                     f"them", param=f"$.params.{name}", request_id=msg.id)
         if len(self.in_flight) >= self.config.max_requests_per_connection:
             raise TooManyRequests(
                 f"this connection already has {len(self.in_flight)} requests in flight "

@@ -84,7 +84,8 @@ class LLM:
         config (`self.sampling_defaults`), as in the Engine.
         Admission is the Engine's (`service.admission.Preprocessor`): raises InvalidRequest
         (bad params or ids, an empty prompt) or ContextLengthExceeded (prompt + max_tokens
-        over the context, or over the whole KV cache) before anything runs;
+        over the context, or over the whole KV cache; logprobs asked for, which this
+        method cannot return) before anything runs;
         RuntimeError if a request fails in a step (its reason).
         """
         if isinstance(params, (SamplingParams, Mapping)):
@@ -99,6 +100,10 @@ class LLM:
         for i, (ids, p) in enumerate(zip(prompt_token_ids, plist)):
             ids, p = self._admission.prepare_sync(prompt_token_ids=ids, params=p,
                                                   client_id=f"prompt {i}")
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(p, name) is not None:  # never asked for and silently dropped
+                    raise InvalidRequest(f"LLM.generate returns token ids only; {name} are "
+                                         f"served by Engine.generate", param=f"$.params.{name}")
             reqs.append(Request(f"llm-{self._next_id}", ids, p, eos))
             self._next_id += 1
         for req in reqs:

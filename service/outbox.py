@@ -98,10 +98,14 @@ class Outbox:
             if waiting is not None:
                 waiting.text += msg.text
                 waiting.token_ids.extend(msg.token_ids)
+                if msg.logprobs:
+                    waiting.logprobs = (waiting.logprobs or []) + msg.logprobs
                 self.merged_deltas += 1
                 self._grow(size)
                 return False
-            msg = Delta(id=msg.id, index=msg.index, text=msg.text, token_ids=list(msg.token_ids))
+            msg = Delta(id=msg.id, index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
+                        logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs,
+                        prompt_token_ids=msg.prompt_token_ids)
             self._unsent_delta[msg.id] = msg
             self._queue.append(msg)
             self._grow(size + DELTA_OVERHEAD_BYTES)

@@ -99,9 +99,12 @@ class OutputProcessor:
             reason = "stop"  # the stop string came with the last token allowed
         if reason is not None and reason != "error":
             text += live.detok.flush()
-        if out.new_token_ids or text:
+        if out.new_token_ids or text or out.prompt_logprobs is not None:
             live.sink(Delta(id=live.client_id, index=live.sent_tokens, text=text,
-                            token_ids=list(out.new_token_ids)))
+                            token_ids=list(out.new_token_ids), logprobs=out.logprobs,
+                            prompt_logprobs=out.prompt_logprobs,
+                            prompt_token_ids=None if out.prompt_logprobs is None
+                            else list(live.req.prompt_token_ids)))
             live.sent_tokens += len(out.new_token_ids)
         if reason is not None:
             self._done(live, reason, out.error)

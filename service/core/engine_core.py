@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from protocol.messages import TokenLogprob
 from service.core.block_pool import KVBlockPool
 from service.core.config import EngineConfig
 from service.core.fault_recovery import faulty_requests, reset_after_fault
@@ -51,12 +52,17 @@ class RequestOutput(NamedTuple):
         (under static batching a batch member's end is held until the batch ends: its
         last tokens come first, its finish in a later output with no tokens).
     error: why, when finish_reason is "error".
+    logprobs: one per new token, when the request's params ask (`logprobs`).
+    prompt_logprobs: one per prompt token (None for the first), on the request's first
+        output only, when its params ask (`prompt_logprobs`).
     """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class StepTimes(NamedTuple):
@@ -176,6 +182,8 @@ class EngineCore:
         self.last_num_batched_tokens = out.num_batched_tokens
         outputs: list[RequestOutput] = []
         got, failed = self.scheduler.update_from_output(out, result.sampled)
+        if result.prompt_logprobs:
+            self._collect_prompt_logprobs(result.prompt_logprobs)
         for rid, why in {**result.failed, **failed}.items():
             outputs += self.finish_request(rid, "error", why)
         now = self.clock()
@@ -183,24 +191,47 @@ class EngineCore:
         for req in got:
             try:
                 reason = req.check_stop(max_len)
+                lps = None
                 if req.stop_token_id is None:  # a token to deliver (a stop token is not)
                     new = [req.output_token_ids[-1]]
                     if req.first_token_time is None:
                         req.first_token_time = now
                     req.last_token_time = now
+                    lp = result.logprobs.get(req.request_id)
+                    if lp is not None:
+                        lps = [lp]
                 else:
                     new = []
+                prompt_lps = None
+                if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                    req.prompt_logprobs_sent = True
+                    prompt_lps = req.prompt_logprobs or [None]
             except Exception as e:  # noqa: BLE001 -- this request's own fault
                 outputs += self.finish_request(req.request_id, "error", f"{type(e).__name__}: {e}")
                 continue
+            output = RequestOutput(req.request_id, new, None, None, lps, prompt_lps)
             if reason is None:
-                outputs.append(RequestOutput(req.request_id, new))
+                outputs.append(output)
             else:
                 self.scheduler.finish_request(req.request_id, reason)
-                outputs += self._ended(RequestOutput(req.request_id, new, reason))
+                outputs += self._ended(output._replace(finish_reason=reason))
         outputs += self._release_held()
         self.last_step_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
+
+    def _collect_prompt_logprobs(self, scores: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        """Append each request's new prompt-token scores (a recompute repeats some: those
+        are skipped, so what is delivered never changes)."""
+        for rid, (start, lps) in scores.items():
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.prompt_logprobs_sent:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]  # nothing predicts the first prompt token
+            have = req.prompt_logprobs
+            skip = len(have) - (start + 1)  # scores of tokens start + 1 .. already held
+            if 0 <= skip < len(lps):
+                have.extend(lps[skip:])
 
     def _run(self, out: SchedulerOutput) -> RunnerOutput:
         if out.has_block_ops:
@@ -222,6 +253,8 @@ class EngineCore:
             return RunnerOutput({}, {s.request_id: first_error for s in out.sequences})
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
+        lps: dict[str, TokenLogprob] = {}
+        prompt_lps: dict[str, tuple[int, list[TokenLogprob]]] = {}
         for seq in out.sequences:
             alone = SchedulerOutput([seq], len(seq.token_ids))
             try:
@@ -231,9 +264,11 @@ class EngineCore:
                 continue
             sampled.update(result.sampled)
             failed.update(result.failed)
+            lps.update(result.logprobs)
+            prompt_lps.update(result.prompt_logprobs)
         if failed:
             log.warning("step fault pinned on %s", sorted(failed))
-        return RunnerOutput(sampled, failed)
+        return RunnerOutput(sampled, failed, lps, prompt_lps)
 
     def _schedule_fault(self) -> list[RequestOutput]:
         """schedule() raised: fail the requests that cause it, recompute the rest."""
@@ -258,7 +293,8 @@ class EngineCore:
     def _ended(self, output: RequestOutput) -> list[RequestOutput]:
         if output.finish_reason in ("stop", "length") and self.scheduler.batch_in_flight:
             if output.new_token_ids:  # the tokens go now, the end with the batch
-                self._held.append(output._replace(new_token_ids=[]))
+                self._held.append(output._replace(new_token_ids=[], logprobs=None,
+                                                  prompt_logprobs=None))
                 return [output._replace(finish_reason=None)]
             self._held.append(output)
             return []

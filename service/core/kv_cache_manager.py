@@ -175,7 +175,10 @@ class KVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------
     def _cached_prefix(self, req: Request, tokens: list[int]) -> list[int]:
-        if not self.pool.enable_prefix_caching:
+        # prompt logprobs need every prompt position computed (vLLM skips the cache too),
+        # until the first token came (a recompute after that may hit)
+        if not self.pool.enable_prefix_caching or (
+                req.params.prompt_logprobs is not None and not req.output_token_ids):
             return []
         self._extend_hashes(req, tokens, len(tokens) // self.block_size)
         return self.pool.find_cached_prefix(tokens, req.block_hashes)

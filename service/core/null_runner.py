@@ -1,6 +1,8 @@
 """NullRunner: a `Runner` that computes nothing, instantly.
 
-It "samples" `token_fn(request_id, position)` for every sequence that samples. The
+It "samples" `token_fn(request_id, position)` for every sequence that samples: its model
+is certain of that token, and of each prompt's next token, so the logprobs it reports
+(when a request's params ask) are 0.0 for that token and -inf for the others. The
 scheduler-overhead benchmark uses it to time what the engine adds to a step besides
 the forward; unit tests use it to drive EngineCore and the async Engine without a
 model (vLLM's and nano-vllm's scheduler tests do the same with mock runners).
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from protocol.messages import TokenLogprob
 from service.core.scheduler_output import RunnerOutput, SchedulerOutput
 
 __all__ = ["NullRunner"]
@@ -52,9 +55,25 @@ class NullRunner:
         self.tokens += out.num_batched_tokens
         self.calls.append([s.request_id for s in out.sequences])
         sampled = {}
+        lps: dict[str, TokenLogprob] = {}
+        prompt_lps: dict[str, tuple[int, list[TokenLogprob]]] = {}
         for s in out.sequences:
             if s.sample:
                 pos = self._positions.get(s.request_id, 0)
-                sampled[s.request_id] = self.token_fn(s.request_id, pos)
+                token = sampled[s.request_id] = self.token_fn(s.request_id, pos)
                 self._positions[s.request_id] = pos + 1
-        return RunnerOutput(sampled)
+                if s.params.logprobs is not None:
+                    lps[s.request_id] = _certain(token, s.params.logprobs)
+            if s.prompt_token_ids is not None and s.params.prompt_logprobs is not None:
+                start = s.num_computed_tokens
+                end = min(start + len(s.token_ids), len(s.prompt_token_ids) - 1)
+                prompt_lps[s.request_id] = (start, [
+                    _certain(t, s.params.prompt_logprobs)
+                    for t in s.prompt_token_ids[start + 1:end + 1]])
+        return RunnerOutput(sampled, {}, lps, prompt_lps)
+
+
+def _certain(token: int, k: int) -> TokenLogprob:
+    """A distribution certain of `token`: it first in the top k, then other ids at -inf."""
+    others = [(i, float("-inf")) for i in range(k) if i != token][:max(0, k - 1)]
+    return TokenLogprob(0.0, ([(token, 0.0)] + others)[:k])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams
+from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +59,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not delivered)
+    # params.prompt_logprobs: index i scores prompt token i (None for token 0), gathered
+    # chunk by chunk, delivered once with the first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         # Admission fills an unset max_tokens (the model's max_new_tokens, fitted to the

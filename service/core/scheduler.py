@@ -290,9 +290,12 @@ class Scheduler:
                          else req.prompt_token_ids[-1]]
         else:
             token_ids = req.token_slice(start, start + n)
+        # the prompt, while its logprobs are asked for and not all computed yet
+        prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None and \
+            not req.output_token_ids else None
         # positional: this runs for every sequence of every step
         st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
-                                              start + n == num_tokens, req.params))
+                                              start + n == num_tokens, req.params, prompt))
         st.scheduled.add(req.request_id)
         st.budget -= n
 

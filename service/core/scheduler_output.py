@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from protocol.messages import SamplingParams
+from protocol.messages import SamplingParams, TokenLogprob
 
 
 class ScheduledSequence(NamedTuple):
@@ -18,6 +18,9 @@ class ScheduledSequence(NamedTuple):
     sample: True when this chunk reaches the sequence's last token, so a new token is sampled.
     params: the request's sampling parameters (a seeded request's generator is the
         runner's, keyed by request_id).
+    prompt_token_ids: the request's whole prompt (its own list, read only) while it asks
+        for prompt logprobs and has none yet, else None: the runner scores each prompt
+        position of this chunk against the prompt's next token.
     """
 
     request_id: str
@@ -26,6 +29,7 @@ class ScheduledSequence(NamedTuple):
     block_table: list[int]
     sample: bool
     params: SamplingParams
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,12 @@ class RunnerOutput(NamedTuple):
     sampled: request id -> the token sampled for it (sequences with `sample` only).
     failed: request id -> why its row failed (e.g. non-finite logits); the rest of the
         batch is unaffected.
+    logprobs: request id -> the sampled token's logprobs (requests whose params ask).
+    prompt_logprobs: request id -> (p, scores): scores[i] is that of prompt token p + 1 + i
+        (computed from position p + i), for the prompt positions of this step's chunk.
     """
 
     sampled: dict[str, int]
     failed: dict[str, str] = {}
+    logprobs: dict[str, TokenLogprob] = {}
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}

@@ -28,6 +28,7 @@ from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
+from service.worker.logprob_rows import prompt_rows, sampled_logprobs, score_prompt_rows
 from service.worker.sampler import build_sampling_tensors, make_generator, sample
 from service.worker.section_timer import SectionTimer
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
@@ -358,12 +359,20 @@ class ModelRunner:
 
     def _forward_and_sample(self, out: SchedulerOutput, tm: SectionTimer | None) -> RunnerOutput:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
+        scored = prompt_rows(out.sequences)
+        if scored is not None:  # the LM head also runs on the prompt rows to score
+            logits_indices = torch.cat([logits_indices, scored.rows.to(logits_indices.device)])
         if tm is not None:
             tm.lap("build_batch")
         logits = self.model.forward(input_ids, positions, meta, self.kv_caches, logits_indices)
+        prompt_lps = {}
+        if scored is not None:
+            num_sampling = logits.shape[0] - scored.rows.shape[0]
+            prompt_lps = score_prompt_rows(logits[num_sampling:], scored)
+            logits = logits[:num_sampling]
         sampling = [s for s in out.sequences if s.sample]
         if not sampling:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logprobs=prompt_lps)
         failed: dict[str, str] = {}
         try:
             tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
@@ -378,9 +387,11 @@ class ModelRunner:
             sampling = [sampling[i] for i in keep]
             logits = logits[keep]
             if not sampling:
-                return RunnerOutput({}, failed)
+                return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
             tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
-        tokens = sample(logits, *tensors, [self._generator(s) for s in sampling]).tolist()
+        token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling])
+        tokens = token_tensor.tolist()
+        lps = sampled_logprobs(logits, token_tensor, sampling)
         if tm is not None:
             tm.lap("sample")
         sampled = {}
@@ -389,7 +400,7 @@ class ModelRunner:
                 failed[s.request_id] = "the model's logits for this sequence are not finite"
             else:
                 sampled[s.request_id] = t
-        return RunnerOutput(sampled, failed)
+        return RunnerOutput(sampled, failed, lps, prompt_lps)
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
         """The request's own generator when it has a seed (made on its first sample)."""

@@ -100,6 +100,83 @@ def test_langchain_chat_openai_invoke_and_stream(server):
     assert "Paris" in "".join(pieces) and len([p for p in pieces if p]) > 1
 
 
+def test_sdk_chat_logprobs_streamed_and_whole(server, client):
+    kw = dict(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=12, temperature=0,
+              logprobs=True, top_logprobs=3)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    whole = client.chat.completions.create(**kw)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == len(streamed) > 0
+    for a, b in zip(streamed, entries):
+        assert (a.token, a.logprob) == (b.token, b.logprob)
+    text = whole.choices[0].message.content
+    assert "".join(e.token for e in entries) == text
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.token == e.top_logprobs[0].token  # greedy: the most likely token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert bytes(e.bytes).decode() == e.token
+        values = [t.logprob for t in e.top_logprobs]
+        assert values == sorted(values, reverse=True)
+    plain = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION,
+                                           max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_sdk_completion_echo_logprobs_as_lm_eval_asks(server, client):
+    # lm-eval's loglikelihood request: context + continuation, echo, logprobs=1, 1 token
+    context, continuation = "The capital of France is", " Paris"
+    ids = server.call(lambda: server.engine.tokenizer.encode(context + continuation))
+    n_ctx = len(server.call(lambda: server.engine.tokenizer.encode(context)))
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=1,
+                                    temperature=0, logprobs=1, echo=True, seed=1234)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[token] == pytest.approx(value)  # the chosen token is always in the map
+        assert max(top.values()) >= value
+    # what lm-eval computes: the continuation's loglikelihood and whether it is greedy
+    continuation_lp = sum(lp.token_logprobs[n_ctx:-1])
+    assert -20 < continuation_lp < 0
+    # the same distribution through the sampling path: the generated token's own score
+    # equals its score as the next token of a prompt without echo
+    plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=1,
+                                      temperature=0, logprobs=2)
+    p = plain.choices[0].logprobs
+    assert p.tokens == lp.tokens[-1:]
+    assert p.token_logprobs[0] == pytest.approx(lp.token_logprobs[-1], abs=1e-4)
+    assert len(p.top_logprobs[0]) == 2  # the greedy token is one of the top 2
+    # streamed: the echo chunk carries the prompt's scores, then each token its own
+    chunks = [c for c in client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=context, max_tokens=3, temperature=0,
+        logprobs=0, echo=True, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+    assert chunks[0].choices[0].text == context
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+    assert len(chunks[0].choices[0].logprobs.tokens) == n_ctx
+    scored = [c.choices[0].logprobs for c in chunks[1:] if c.choices[0].logprobs]
+    assert sum(len(s.tokens) for s in scored) == 3
+    offsets = [o for s in [chunks[0].choices[0].logprobs] + scored for o in s.text_offset]
+    assert offsets == sorted(offsets)
+
+
+def test_langchain_chat_openai_logprobs(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.base_url, api_key=KEY, model="SmolLM2-135M-Instruct",
+                     temperature=0, max_tokens=8, max_retries=0, timeout=300,
+                     logprobs=True, top_logprobs=2)
+    answer = llm.invoke("What is the capital of France?")
+    content = answer.response_metadata["logprobs"]["content"]
+    assert len(content) == answer.usage_metadata["output_tokens"] > 0
+    assert "".join(e["token"] for e in content) == answer.content
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+
+
 BAD = [
     ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
@@ -109,7 +186,10 @@ BAD = [
     ({"user": 5}, "user"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"ignore_eos": 1}, "ignore_eos"), ({"priority": 1.5}, "priority"),
-    ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"), ({"logprobs": 1}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -138,7 +218,10 @@ def test_bad_completion_fields_and_http_errors(server):
     url = server.base_url
     for extra, param in [({"prompt": 5}, "prompt"), ({"prompt": [[1, 2], "a"]}, "prompt"),
                          ({"prompt": [10**9]}, "prompt[0]"), ({"echo": "x"}, "echo"),
-                         ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix")]:
+                         ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+                         ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                         ({"logprobs": True}, "logprobs"), ({"logprobs": "2"}, "logprobs"),
+                         ({"logprobs": 21, "echo": True}, "logprobs")]:
         r = httpx.post(url + "/completions", json={"prompt": "hi", **extra}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
     r = httpx.post(url + "/chat/completions", json={"messages": QUESTION})

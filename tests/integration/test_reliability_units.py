@@ -76,6 +76,24 @@ async def test_outbox_merges_deltas_while_the_socket_waits_and_loses_nothing() -
     assert box.pending_bytes == 0
 
 
+async def test_outbox_merges_logprobs_with_their_tokens() -> None:
+    from protocol import TokenLogprob
+
+    box, sock = Outbox(), _GatedSocket()
+    first = TokenLogprob(-0.1, [(7, -0.1)])
+    box.put(Delta(id="a", index=0, text="x", token_ids=[7], logprobs=[first],
+                  prompt_logprobs=[None, TokenLogprob(-2.0, [])], prompt_token_ids=[1, 2]))
+    box.put(Delta(id="a", index=1, text="y", token_ids=[8], logprobs=[TokenLogprob(-0.2, [])]))
+    box.put(_delta("b", 0, "z", 9))
+    sock.gate.set()
+    task = await _run_until_sent(box, sock, 2)
+    task.cancel()
+    a, b = sock.sent
+    assert a.token_ids == [7, 8] and [lp.logprob for lp in a.logprobs] == [-0.1, -0.2]
+    assert a.prompt_logprobs[1].logprob == -2.0 and a.prompt_token_ids == [1, 2]
+    assert b.logprobs is None and b.prompt_logprobs is None
+
+
 async def test_outbox_never_merges_across_a_frame_of_the_same_request() -> None:
     box, sock = Outbox(), _GatedSocket()
     box.put(_delta("a", 0, "x", 1))

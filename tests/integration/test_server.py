@@ -128,3 +128,25 @@ async def test_max_tokens_one(make_server):
     async with await connect(server.url) as client:
         deltas, done = await _collect(client.generate(prompt="Hi", max_tokens=1))
     assert done.usage.completion_tokens == 1 and done.finish_reason in ("length", "stop")
+
+
+async def test_logprobs_are_refused_on_the_websocket_protocol(make_server):
+    # PROTOCOL.md has no logprobs: asked for, they are an invalid_request, never dropped
+    engine, server = await make_server()
+    async with websockets.connect(server.url) as ws:
+        await ws.recv()
+        for i, name in enumerate(("logprobs", "prompt_logprobs")):
+            await ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt": "Hi",
+                                      "params": {"max_tokens": 2, name: 1}}))
+            msg = json.loads(await ws.recv())
+            assert msg["type"] == "error" and msg["code"] == "invalid_request", msg
+            assert msg["param"] == f"$.params.{name}" and msg["id"] == f"r{i}"
+        # the socket goes on serving
+        await ws.send(json.dumps({"type": "generate", "id": "ok", "prompt": "Hi",
+                                  "params": {"max_tokens": 2, "ignore_eos": True}}))
+        kinds = []
+        while not kinds or kinds[-1] != "done":
+            msg = json.loads(await ws.recv())
+            kinds.append(msg["type"])
+            assert "logprobs" not in msg
+        assert kinds[0] == "accepted" and "delta" in kinds

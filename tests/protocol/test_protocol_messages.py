@@ -182,6 +182,10 @@ def test_sampling_params_defaults_are_the_protocol_table() -> None:
         "ignore_eos": False,
         "priority": 0,
         "ttft_slo_ms": None,
+        # not in the protocol's table: the OpenAI HTTP routes and in-process callers only
+        # (the WebSocket route refuses them, tests/integration/test_server.py)
+        "logprobs": None,
+        "prompt_logprobs": None,
     }
 
 

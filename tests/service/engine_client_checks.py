@@ -45,6 +45,21 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
     got = [e async for e in stream]
     assert isinstance(got[-1], Done) and got[-1].usage.completion_tokens == 2
 
+    # logprobs: one score per token, the prompt's with the first delta (through Ray too)
+    stream = await engine.add_request(prompt="One, two, three,",
+                                      params={"max_tokens": 3, "ignore_eos": True,
+                                              "temperature": 0, "logprobs": 2,
+                                              "prompt_logprobs": 1})
+    got = [e async for e in stream]
+    deltas = [e for e in got if isinstance(e, Delta)]
+    assert deltas[0].prompt_logprobs is not None and deltas[0].prompt_logprobs[0] is None
+    assert len(deltas[0].prompt_logprobs) == len(deltas[0].prompt_token_ids) \
+        == got[-1].usage.prompt_tokens
+    assert all(len(lp.top) == 1 for lp in deltas[0].prompt_logprobs[1:])
+    scores = [lp for d in deltas for lp in d.logprobs]
+    assert len(scores) == sum(len(d.token_ids) for d in deltas) == 3
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob for lp in scores)
+
     # refusals, before anything is queued
     with pytest.raises(InvalidRequest) as e:
         await engine.add_request(prompt="hi", params={"temperature": -1}, sink=print)

@@ -243,3 +243,42 @@ def test_an_update_fault_fails_only_its_request():
     kv.cache_full_blocks = cache_full_blocks
     got = run(core)
     assert got["bad"][1] == "error" and got["a"] == ([100, 101, 102], "length")
+
+
+class ScoringRunner(NullRunner):
+    """Scores prompt token p + 1 as -(p + 1) and each sampled token as -0.5 (fake logprobs
+    whose values say which position they came from)."""
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        from protocol.messages import TokenLogprob
+
+        res = super().execute(out)
+        prompt = {}
+        for s in out.sequences:
+            if s.prompt_token_ids is not None:
+                end = min(s.num_computed_tokens + len(s.token_ids), len(s.prompt_token_ids) - 1)
+                prompt[s.request_id] = (s.num_computed_tokens, [
+                    TokenLogprob(-(p + 1.0), []) for p in range(s.num_computed_tokens, end)])
+        asking = {s.request_id for s in out.sequences if s.params.logprobs is not None}
+        lps = {rid: TokenLogprob(-0.5, []) for rid in res.sampled if rid in asking}
+        return RunnerOutput(res.sampled, res.failed, lps, prompt)
+
+
+def test_prompt_logprobs_gathered_over_chunks_once_despite_a_recompute():
+    from service.core.fault_recovery import reset_after_fault
+
+    core = make(runner=ScoringRunner(64, max_model_len=512, token_fn=lambda r, p: 100 + p),
+                budget=4)
+    core.add_request(req("a", prompt=10, max_tokens=2, prompt_logprobs=0, logprobs=0))
+    core.add_request(req("b", prompt=10, max_tokens=2))
+    outs = core.step()  # a's first chunk: positions 0..3
+    assert outs == []
+    reset_after_fault(core.scheduler)  # a drops its blocks: positions 0..3 come again
+    outs += [o for _ in range(30) for o in core.step()]
+    a = [o for o in outs if o.request_id == "a"]
+    assert a[0].prompt_logprobs[0] is None
+    assert [lp.logprob for lp in a[0].prompt_logprobs[1:]] == [-float(p) for p in range(1, 10)]
+    assert all(o.prompt_logprobs is None for o in a[1:])
+    assert [lp.logprob for o in a for lp in (o.logprobs or [])] == [-0.5, -0.5]
+    b = [o for o in outs if o.request_id == "b"]
+    assert all(o.logprobs is None and o.prompt_logprobs is None for o in b)

@@ -12,7 +12,11 @@ Served (OpenAI's names; the engine checks every value's range as the wire does):
            tool_choice "none", parallel_tool_calls
     completions: prompt (a string, a list of strings, token ids, a list of token-id
            lists; each prompt gets n choices), echo, best_of (= n)
-Refused with 400 naming the field: logprobs / top_logprobs (not served yet), tools,
+    logprobs: chat `logprobs` (a boolean) + `top_logprobs` (0..20, needs logprobs);
+           completions `logprobs` (an integer 0..20; OpenAI's own cap is 5, vLLM's 20),
+           with `echo` the prompt tokens' too (lm-eval's loglikelihood requests). Values
+           are the model's raw distribution (`protocol.SamplingParams`).
+Refused with 400 naming the field: tools,
 functions, tool_choice other than "none", response_format other than text, logit_bias,
 suffix, audio, modalities, prediction, web_search_options, and any unknown field.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.messages import MAX_LOGPROBS
 from service.front.openai.errors import OpenAIError, bad
 
 MAX_N = 16
@@ -46,7 +51,8 @@ class Plan:
         per prompt; choices: len(prompts) x n, choice index = prompt index x n + j.
     params: SamplingParams fields (the engine checks them); renames: our param -> the
         field the client named (for error `param`s).
-    echo_texts: per prompt, text to put before each completion (completions' echo).
+    echo: put each prompt before its completions (completions' echo); with `logprobs`
+        the prompt tokens are scored too (params["prompt_logprobs"]).
     """
 
     kind: str
@@ -123,8 +129,6 @@ def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tupl
         v = _type(body, name, (int, float), "a number")
         if v:
             raise bad(name, f"{name} is not supported (only 0)", "unsupported_value")
-    if body.get("logprobs"):
-        raise bad("logprobs", "logprobs are not served yet", "unsupported_parameter")
     _type(body, "user", str, "a string")
     n = _type(body, "n", int, "an integer")
     n = 1 if n is None else n
@@ -171,8 +175,16 @@ def chat_plan(body: Any, served_model: str) -> Plan:
     if mct is not None:
         params["max_tokens"] = mct
         renames["max_tokens"] = "max_completion_tokens"
-    if body.get("top_logprobs") is not None:
-        raise bad("top_logprobs", "logprobs are not served yet", "unsupported_parameter")
+    want = _type(body, "logprobs", bool, "a boolean")
+    top = _type(body, "top_logprobs", int, "an integer")
+    if top is not None:
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        if not want:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    if want:
+        params["logprobs"] = top or 0
+        renames["logprobs"] = "top_logprobs"
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format", "only response_format {\"type\": \"text\"} is served",
@@ -219,6 +231,13 @@ def completion_plan(body: Any, served_model: str) -> Plan:
     if best_of is not None and best_of != n:
         raise bad("best_of", "best_of is only served equal to n", "unsupported_value")
     echo = bool(_type(body, "echo", bool, "a boolean"))
+    num = _type(body, "logprobs", int, "an integer")
+    if num is not None:
+        if not 0 <= num <= MAX_LOGPROBS:
+            raise bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {num}")
+        params["logprobs"] = num
+        if echo:
+            params["prompt_logprobs"] = num
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [{"prompt": prompt}]
@@ -234,4 +253,5 @@ def completion_plan(body: Any, served_model: str) -> Plan:
                   else "missing_required_parameter")
     if len(prompts) * n > 4 * MAX_N:
         raise bad("prompt", f"at most {4 * MAX_N} choices (prompts x n) per request")
-    return Plan("completion", prompts, params, n, stream, include_usage, echo)
+    return Plan("completion", prompts, params, n, stream, include_usage, echo,
+                renames={"prompt_logprobs": "logprobs"})

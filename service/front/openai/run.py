@@ -22,6 +22,7 @@ import structlog
 from protocol import Delta, Done, Error, ProtocolError
 from service.engine_client import EngineClient
 from service.front.openai.errors import OpenAIError, from_protocol
+from service.front.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from service.front.openai.request import Plan
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,12 @@ class Run:
         self.texts: dict[int, list[str]] = {}
         self.queue: asyncio.Queue[tuple[int, Delta | Error | Done]] = asyncio.Queue()
         self.error: OpenAIError | None = None
+        # logprobs (when the plan asks): per choice, the scored ids and their scores
+        # (prompt tokens first under echo), and the completions' running text offset
+        self.logprobs = plan.params.get("logprobs") is not None
+        self.scored: dict[int, tuple[list[int], list[Any]]] = {}
+        self.offsets: dict[int, int] = {}
+        self.token_texts = TokenTexts(engine.tokenizer) if self.logprobs else None
 
     # ---- admission and cancel ------------------------------------------------------------
     async def start(self) -> None:
@@ -129,16 +136,38 @@ class Run:
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
 
-    def _choice(self, i: int, text: str | None, finish: str | None, first: bool = False
-                ) -> dict[str, Any]:
+    def _choice(self, i: int, text: str | None, finish: str | None, first: bool = False,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def _logprobs(self, i: int, ids: list[int], lps: list[Any]) -> dict[str, Any] | None:
+        """The OpenAI logprobs object of these tokens of choice i (None: not asked)."""
+        texts = self.token_texts
+        if texts is None:
+            return None
+        if self.plan.kind == "chat":
+            return chat_logprobs(ids, lps, texts)
+        obj, self.offsets[i] = completion_logprobs(ids, lps, texts, self.offsets.get(i, 0))
+        return obj
+
+    def _score(self, i: int, event: Delta) -> None:
+        """Keep a delta's scored tokens for the whole answer (not streamed)."""
+        if not self.logprobs:
+            return
+        ids, lps = self.scored.setdefault(i, ([], []))
+        if event.prompt_logprobs is not None and self.plan.echo:
+            ids.extend(event.prompt_token_ids or ())
+            lps.extend(event.prompt_logprobs)
+        if event.logprobs:
+            ids.extend(event.token_ids)
+            lps.extend(event.logprobs)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
         c: dict[str, Any] = {"id": self.id, "object": self._object(True),
@@ -150,17 +179,30 @@ class Run:
     async def sse(self) -> AsyncIterator[bytes]:
         """The SSE body: chunks, maybe a final error chunk, then `data: [DONE]`."""
         n = len(self.keys)
+        # echo with logprobs: each choice's prompt goes with its scores, in its first delta
+        echo_later = self.plan.echo and self.logprobs
+        echoed: set[int] = set()
         if self.plan.kind == "chat":
             for i in range(n):
                 yield self._chunk([self._choice(i, "", None, first=True)])
-        elif self.plan.echo:
+        elif self.plan.echo and not echo_later:
             for i in range(n):
                 yield self._chunk([self._choice(i, self.echo_text(i), None)])
         try:
             async for i, event in self.events():
+                if echo_later and i not in echoed and not isinstance(event, Error):
+                    echoed.add(i)
+                    scores = None
+                    if isinstance(event, Delta) and event.prompt_logprobs is not None:
+                        scores = self._logprobs(i, event.prompt_token_ids or [],
+                                                event.prompt_logprobs)
+                    yield self._chunk([self._choice(i, self.echo_text(i), None,
+                                                    logprobs=scores)])
                 if isinstance(event, Delta):
-                    if event.text:
-                        yield self._chunk([self._choice(i, event.text, None)])
+                    scores = self._logprobs(i, event.token_ids, event.logprobs) \
+                        if event.logprobs else None
+                    if event.text or scores is not None:
+                        yield self._chunk([self._choice(i, event.text, None, logprobs=scores)])
                 elif isinstance(event, Done) and event.finish_reason != "error":
                     yield self._chunk([self._choice(i, None if self.plan.kind == "chat"
                                                     else "", FINISH[event.finish_reason])])
@@ -180,6 +222,7 @@ class Run:
             async for i, event in self.events():
                 if isinstance(event, Delta):
                     self.texts.setdefault(i, []).append(event.text)
+                    self._score(i, event)
                 elif isinstance(event, Done) and event.finish_reason == "error":
                     self.abort()
         finally:
@@ -190,13 +233,14 @@ class Run:
         for i in range(len(self.keys)):
             text = "".join(self.texts.get(i, ()))
             finish = FINISH[self.done[i].finish_reason]
+            scores = self._logprobs(i, *self.scored.get(i, ([], [])))
             if self.plan.kind == "chat":
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish})
+                                "logprobs": scores, "finish_reason": finish})
             else:
                 if self.plan.echo:
                     text = self.echo_text(i) + text
-                choices.append({"index": i, "text": text, "logprobs": None,
+                choices.append({"index": i, "text": text, "logprobs": scores,
                                 "finish_reason": finish})
         return {"id": self.id, "object": self._object(False), "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
