@@ -35,7 +35,7 @@ def _ms(name: str, rows: int) -> float:
     if name == "fast":
         return 1.0 if rows <= 16 else 9.0
     if name == "big":
-        return 2.0 if rows >= 64 else 9.0
+        return 2.0 if rows >= 64 else 7.0
     return MS[name]
 
 
@@ -123,6 +123,50 @@ def test_timings_are_cached_per_machine_but_not_when_busy(_no_disk_cache, monkey
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (50.0, 50.0, 50.0))
     choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer([]))
     assert _no_disk_cache == {}  # timed on a busy machine: not kept
+
+
+def test_contradictory_timings_are_found_per_path_and_layer() -> None:
+    t = {"p|8x4|nobias|32|1": 7.4, "p|8x4|nobias|32|16": 0.22, "p|8x4|nobias|32|64": 0.5,
+         "q|8x4|nobias|32|1": 1.7, "q|8x4|nobias|32|16": 0.55,  # 3.1x: measured, genuine
+         "p|9x4|nobias|32|1": 0.1, "p|9x4|nobias|32|16": 0.2}
+    assert choice.contradictions(t) == {"p|8x4|nobias|32|1", "p|8x4|nobias|32|16",
+                                        "p|8x4|nobias|32|64"}
+
+
+def test_contradictory_timings_never_reach_the_disk_and_are_dropped_from_it(
+        monkeypatch, tmp_path) -> None:
+    import json
+
+    monkeypatch.undo()  # the real cache functions, on a file of this test's own
+    path = tmp_path / "timings.json"
+    monkeypatch.setattr(choice, "_cache_path", lambda: path)
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    paths = [_fake("slow"), _fake("fast")]
+
+    def shared_cores(cls, rows, makers):  # "fast" at 1 row hit by a neighbour: 30x
+        return {n: (30.0 if n == "fast" and rows == 1 else _ms(n, rows)) for n in makers}
+
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=shared_cores)
+    assert plan.choices["qkv"][0] == "slow"  # this process lives with the bad timing
+    saved = json.loads(path.read_text())["timings_ms"]
+    assert any(k.startswith("slow|") for k in saved)
+    assert not any(k.startswith("fast|") for k in saved)
+
+    # a cache poisoned that way (earlier versions wrote one) is dropped at load, re-timed
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
+    path.unlink()
+    choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer([]))
+    saved = json.loads(path.read_text())["timings_ms"]
+    one_row = next(k for k in saved if k.startswith("fast|24x16|") and k.endswith("|1"))
+    saved[one_row] = 30.0
+    path.write_text(json.dumps({"timings_ms": saved}))
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
+    calls: list = []
+    plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer(calls))
+    assert {("fast", "qkv", 1), ("fast", "qkv", 16)} <= set(calls)  # that path and layer
+    assert ("slow", "qkv", 1) not in calls and ("fast", "down", 1) not in calls
+    assert plan.choices["qkv"][:2] == ("fast", "fast")
 
 
 def test_bucket_edges_and_dispatch() -> None:

@@ -191,13 +191,48 @@ _PROCESS_TIMINGS: dict[str, dict[str, float]] = {}
 disk: a process that builds several runners (tests, benchmarks) times each shape once."""
 
 
+MONOTONE_SLACK = 4.0
+"""A path's call on fewer rows may take at most this factor longer than on more rows of the
+same layer. Measured on an idle AVX2 machine, the worst genuine case is 3.1x (the
+dequantize-then-matmul path, whose one-row product takes another BLAS route); timings
+taken while other processes held the cores ran 30x slower at 1 row than at 16
+(cpp-q4_1x8: 7.4 against 0.22 ms), and such a cache made an idle server choose fp32
+kernels (README, Performance, 2026-12-01 later)."""
+
+
+def contradictions(timings: Mapping[str, float]) -> set[str]:
+    """The timing keys of every (path, layer) whose timings contradict themselves: a call
+    on fewer rows over MONOTONE_SLACK times slower than one on more rows. Keys are
+    "path|NxK|bias|group|rows"; a (path, layer) is all its keys but the rows."""
+    groups: dict[str, dict[int, str]] = {}
+    for key in timings:
+        head, _, rows = key.rpartition("|")
+        if rows.isdigit():
+            groups.setdefault(head, {})[int(rows)] = key
+    bad: set[str] = set()
+    for by_rows in groups.values():
+        ms = [timings[by_rows[r]] for r in sorted(by_rows)]
+        if any(ms[i] > MONOTONE_SLACK * ms[j] for i in range(len(ms))
+               for j in range(i + 1, len(ms))):
+            bad.update(by_rows.values())
+    return bad
+
+
 def _load_cache() -> dict[str, float]:
+    """Timings from the disk cache and this process; a (path, layer) whose cached timings
+    contradict themselves (`contradictions`) is dropped, so that it is timed again."""
     mine = _PROCESS_TIMINGS.get(cache_key(), {})
     try:
         data = json.loads(_cache_path().read_text())
-        return {**{str(k): float(v) for k, v in data.get("timings_ms", {}).items()}, **mine}
+        disk = {str(k): float(v) for k, v in data.get("timings_ms", {}).items()}
     except (OSError, ValueError, AttributeError):
         return dict(mine)
+    bad = contradictions(disk)
+    if bad:
+        log.warning("linear kernel timing cache %s: %d timings dropped, they contradict "
+                    "themselves (a path far slower on fewer rows; taken while the cores were "
+                    "shared): %s", _cache_path(), len(bad), ", ".join(sorted(bad)[:4]))
+    return {**{k: v for k, v in disk.items() if k not in bad}, **mine}
 
 
 def _remember(timings: Mapping[str, float]) -> None:
@@ -344,11 +379,19 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
         del lw
     _log_cache_use(use_cache, cached, retimed)
     if use_cache and timings != cached:
+        bad = contradictions(timings)
         if busy:
             log.warning("the machine was busy while linear kernels were timed (load average "
                         "%.1f on %d CPUs): the choice may be off, and is not cached on disk "
                         "(this process reuses it)", load, cpus)
             _remember(timings)
+        elif bad:
+            log.warning("linear kernel timings contradict themselves (%s: a path far slower "
+                        "on fewer rows; other processes shared the cores): the choice may be "
+                        "off; those are not cached on disk (this process reuses them)",
+                        ", ".join(sorted(bad)[:4]))
+            _remember(timings)
+            _save_cache({k: v for k, v in timings.items() if k not in bad})
         else:
             _save_cache(timings)
     return LinearPlan(mode, batch_invariant, choices, table, errors,
