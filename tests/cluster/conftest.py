@@ -23,8 +23,7 @@ import pytest
 from service.cluster.config import ClusterConfig
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
-HAVE_RAY = importlib.util.find_spec("ray") is not None and \
-    importlib.util.find_spec("fastapi") is not None
+HAVE_RAY = importlib.util.find_spec("ray") is not None
 cluster_marks = [
     pytest.mark.cluster, pytest.mark.model, pytest.mark.slow,
     pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed: "
