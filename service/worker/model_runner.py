@@ -29,7 +29,7 @@ from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
 from service.worker.logprob_rows import prompt_rows, sampled_logprobs, score_prompt_rows
-from service.worker.sampler import build_sampling_tensors, make_generator, sample
+from service.worker.sampler import GREEDY_EPS, build_sampling_tensors, make_generator, sample
 from service.worker.section_timer import SectionTimer
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -389,7 +389,10 @@ class ModelRunner:
             if not sampling:
                 return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
             tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
-        token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling])
+        greedy = all(s.params.temperature is not None and s.params.temperature < GREEDY_EPS
+                     for s in sampling)
+        token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling],
+                              all_greedy=greedy)
         tokens = token_tensor.tolist()
         lps = sampled_logprobs(logits, token_tensor, sampling)
         if tm is not None:

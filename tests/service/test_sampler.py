@@ -59,6 +59,19 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(run(logits, [Params(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)] * 6), logits.argmax(-1))
 
 
+def test_the_all_greedy_hint_gives_the_same_tokens_and_fails_bad_rows_alone() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 64, generator=g)
+    logits[1, 3] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4, :] = 2.0  # ties: the lowest id
+    tensors = build_sampling_tensors([Params(temperature=0.0, top_k=2)] * 5)
+    plain = sample(logits, *tensors, [None] * 5)
+    hinted = sample(logits, *tensors, [None] * 5, all_greedy=True)
+    assert hinted.tolist() == plain.tolist()
+    assert hinted[1] == -1 and hinted[3] == -1 and hinted[4] == 0
+
+
 def test_greedy_ties_pick_the_lowest_id() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
     assert run(logits, [Params(temperature=0.0)] * 2).tolist() == [1, 0]
