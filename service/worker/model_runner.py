@@ -139,9 +139,47 @@ class ModelRunner:
         """(input_ids [T], positions [T], metadata, logits_indices [S]) for one step.
 
         Built from flat Python lists with vectorised index math: no per-token loop, and
-        the only per-sequence work is reading each sequence's fields once.
+        the only per-sequence work is reading each sequence's fields once. A step of
+        decodes only (one token per sequence, every decode step) is built in Python lists
+        instead (`_prepare_decodes`: the same tensors in 0.12 against 0.39 ms for one
+        sequence, 0.2-0.3 against 0.5 for 16, one AVX2 thread beside other work: each
+        torch op costs more than the few list operations it saves).
         """
         seqs = out.sequences
+        if all(len(s.token_ids) == 1 for s in seqs):
+            return self._prepare_decodes(seqs)
+        return self._prepare_general(seqs)
+
+    def _prepare_decodes(self, seqs: list[ScheduledSequence]) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """prepare_inputs for B sequences of one token each (T == B)."""
+        B = len(seqs)
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        width = max(map(len, tables))
+        # E.g. block_size 4, position 7 of a sequence with blocks [5, 2] -> slot 2 * 4 + 3 = 11
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        table = torch.tensor([t if len(t) == width else t + [0] * (width - len(t))
+                              for t in tables], dtype=torch.int64)
+        seq_lens = [p + 1 for p in positions]
+        cu_q = torch.arange(B + 1, dtype=torch.int64)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=table.to(dev, torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=cu_q.to(dev, torch.int32),
+            plan=self.ops.plan_step([1] * B, seq_lens, cu_q, table, dev),
+        )
+        ids = torch.tensor([s.token_ids[0] for s in seqs], dtype=torch.int64, device=dev)
+        logits_indices = torch.tensor([i for i, s in enumerate(seqs) if s.sample],
+                                      dtype=torch.int64, device=dev)
+        return ids, torch.tensor(positions, dtype=torch.int64, device=dev), meta, logits_indices
+
+    def _prepare_general(self, seqs: list[ScheduledSequence]) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """prepare_inputs for any step (prefill chunks, decodes, both)."""
         B = len(seqs)
         bs = self.block_size
         q_lens = [len(s.token_ids) for s in seqs]
