@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -57,8 +58,14 @@ def on_shutdown_signals(stop: asyncio.Event, force: asyncio.Event) -> None:
 
 
 async def _serve(a: argparse.Namespace) -> None:
-    """Load, serve until SIGTERM/SIGINT, then drain: /health 503, new requests get
-    `shutting_down`, requests in flight get --shutdown-timeout seconds, sockets close 1001."""
+    """Bind the port, load, serve until SIGTERM/SIGINT, then drain: /health 503, new
+    requests get `shutting_down`, requests in flight get --shutdown-timeout seconds,
+    sockets close 1001.
+
+    The port is served from the start: while the model loads, /health answers 503
+    "starting" and requests are refused with a retry hint (service/front/starting.py).
+    A signal while loading stops at once: the load runs in a worker thread that cannot be
+    interrupted, so the process exits without waiting for it (nothing is in flight)."""
     from service.engine import Engine
     from service.server import ConveyorServer
 
@@ -66,11 +73,29 @@ async def _serve(a: argparse.Namespace) -> None:
     cfg = engine_config(a)
     stop, force = asyncio.Event(), asyncio.Event()
     on_shutdown_signals(stop, force)
-    print(f"conveyor: loading {a.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
-    async with Engine(cfg) as engine:
-        if stop.is_set():  # signalled while loading
-            return
-        server = await ConveyorServer(engine, net).start()
+    model = a.model or "SmolLM2-135M-Instruct (default)"
+    server = await ConveyorServer(None, net, starting=f"loading {model}").start()
+    print(f"conveyor: loading {model} ...; health at http://{a.host}:{server.port}/health "
+          "(503 until the model is loaded)", flush=True)
+    engine = Engine(cfg)
+    loading = asyncio.ensure_future(engine.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():  # signalled while loading
+        await server.close()
+        print("conveyor: stopped while loading", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+    stopping.cancel()
+    try:
+        loading.result()
+    except BaseException as e:
+        server.failed(f"the engine failed to start: {type(e).__name__}: {e}")
+        await server.close()
+        await engine.close()
+        raise
+    try:
+        server.attach(engine)
         mode = f" ({cfg.model.quantization})" if cfg.model.quantization not in (None, "auto") \
             else ""
         print(f"conveyor: serving {engine.model_name}{mode} at {server.url}", flush=True)
@@ -87,6 +112,8 @@ async def _serve(a: argparse.Namespace) -> None:
             await server.shutdown(force=force)
         finally:
             await server.close()
+    finally:
+        await engine.close()
     print("conveyor: stopped", flush=True)
 
 

@@ -3,8 +3,8 @@
 The server runs in its own process so that the client's measurements do not share its
 event loop or GIL. `conveyor serve --port 0` would not tell us the port it took, so a
 free port is picked here (bind to port 0, read it, release it) and passed with --port;
-readiness is `GET /health` answering 200 (the server listens only once the model is
-loaded). Its output goes to a log file whose tail is shown if it fails to start.
+readiness is `GET /health` answering 200 (it answers 503 "starting" while the model
+loads). Its output goes to a log file whose tail is shown if it fails to start.
 """
 
 from __future__ import annotations

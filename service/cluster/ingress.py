@@ -10,7 +10,7 @@ Origin checks. One difference: while draining, new sockets are closed with 1013 
 Start-up: the ingress is up within its actor's start, before any replica has loaded the
 model (its constructor does not wait for them), so /health answers at once from the first
 moment the proxy routes to it. Until the first replica's facts arrive, `StartingApp`
-(service/cluster/starting.py) answers: /health 503 {"status": "starting", "reason": ...},
+(service/front/starting.py) answers: /health 503 {"status": "starting", "reason": ...},
 sockets closed with 1013 ("the model is loading; try again later"), the HTTP API 503 with
 Retry-After. Then the front app serves, and its /health stays 503 "starting: k of N
 engine replicas ready" until every replica of the deployment (`expected_replicas`) was
@@ -32,7 +32,7 @@ from service.auth import AccessPolicy
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.registry import routers_for
 from service.cluster.remote_engine import RemoteEngine
-from service.cluster.starting import StartingApp
+from service.front.starting import StartingApp
 from service.config import ServerConfig
 from service.front.app import Front, build_app
 

@@ -4,6 +4,10 @@
     server.port, server.url          # ws://127.0.0.1:PORT/v1/stream
     await server.shutdown()          # graceful drain, then close()
 
+    server = await FrontServer(None, config, starting="loading the model").start()
+    ...                              # /health 503 "starting" (service/front/starting.py)
+    server.attach(engine)            # from now on the front app serves every route
+
 uvicorn (HTTP/1.1 by httptools or h11; WebSockets by the websockets library, with
 Conveyor's socket settings: service/front/ws_protocol.py; `ws_impl`, default
 $CONVEYOR_WS_IMPL or "websockets-sansio") serves `service.front.app`.
@@ -18,14 +22,19 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import structlog
 import uvicorn
 
+from starlette.types import ASGIApp
+
+from service.auth import AccessPolicy
 from service.config import ServerConfig
 from service.engine_client import EngineClient
 from service.front.drain import drain
-from service.front.app import STREAM_PATH, build_app
+from service.front.app import STREAM_PATH, Front, build_app
+from service.front.starting import StartingApp
 from service.front.ws_protocol import ws_protocol
 from service.socket_actor import SocketActor
 
@@ -43,26 +52,58 @@ class FrontServer:
 
     Use `await start()`, then `port` and `url`; `await shutdown(timeout)` drains
     gracefully; `await close()` closes every socket with 1001 and stops listening.
+
+    engine None: the port is served before the engine exists (`conveyor serve` binds it
+    before loading the model): `service.front.starting.StartingApp` answers, /health 503
+    {"status": "starting", "reason": "starting: " + `starting`} (or "unavailable" after
+    `failed(why)`), until `attach(engine)`.
     """
 
-    def __init__(self, engine: EngineClient, config: ServerConfig | None = None,
-                 ws_impl: str | None = None) -> None:
+    def __init__(self, engine: EngineClient | None, config: ServerConfig | None = None,
+                 ws_impl: str | None = None, starting: str = "loading the model") -> None:
         self.engine = engine
         self.ws_impl = ws_impl or os.environ.get("CONVEYOR_WS_IMPL", "websockets-sansio")
         self.config = config or ServerConfig()
-        self.front = build_app(engine, self.config)
+        self.front: Front | None = None
+        self._starting = starting
+        self._start_error: str | None = None
+        self._asgi: ASGIApp
+        if engine is not None:
+            self.front = build_app(engine, self.config)
+            self._asgi = self.front.app
+        else:
+            c = self.config
+            self._asgi = StartingApp(AccessPolicy(c.api_key, c.allowed_origins),
+                                     self._starting_state,
+                                     lambda: self.front.app if self.front is not None else None)
         self._sock: socket.socket | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
+    def _starting_state(self) -> tuple[str, bool, dict[str, Any]]:
+        if self._start_error is not None:
+            return self._start_error, True, {}
+        return f"starting: {self._starting}", False, {}
+
+    def attach(self, engine: EngineClient) -> None:
+        """Serve `engine` from now on (the server was started without one)."""
+        if self.front is not None:
+            raise RuntimeError("this server already serves an engine")
+        self.engine = engine
+        self.front = build_app(engine, self.config)
+
+    def failed(self, why: str) -> None:
+        """The engine could not start: /health says 503 "unavailable" and why."""
+        self._start_error = why
+
     @property
     def connections(self) -> set[SocketActor]:
         """The open WebSockets' actors."""
-        return self.front.sockets.connections
+        return self.front.sockets.connections if self.front is not None else set()
 
     @property
     def refused_connections(self) -> int:
-        return self.front.sockets.refused_connections
+        return self.front.sockets.refused_connections if self.front is not None else 0
 
     async def start(self) -> FrontServer:
         c = self.config
@@ -74,7 +115,7 @@ class FrontServer:
         sock.setblocking(False)
         self._sock = sock
         config = uvicorn.Config(
-            self.front.app, ws=ws_protocol(c, self.ws_impl), ws_max_size=c.max_message_bytes,
+            self._asgi, ws=ws_protocol(c, self.ws_impl), ws_max_size=c.max_message_bytes,
             ws_ping_interval=c.ping_interval, ws_ping_timeout=c.ping_timeout,
             ws_per_message_deflate=False, lifespan="off", log_config=None,
             access_log=False, timeout_graceful_shutdown=c.close_timeout,
@@ -116,6 +157,9 @@ class FrontServer:
         Returns True when every request finished on its own.
         """
         timeout = self.config.shutdown_timeout if timeout is None else timeout
+        if self.engine is None:  # still starting: nothing in flight
+            await self.close()
+            return True
         finished = await drain(self.engine, timeout, self.config.close_timeout, force,
                                self._abort_all)
         await self.close()
@@ -126,7 +170,8 @@ class FrontServer:
         """Cancel every request of every connection (drain's last resort)."""
         for conn in list(self.connections):
             conn.abort_all()
-        self.front.openai.abort_all()
+        if self.front is not None:
+            self.front.openai.abort_all()
 
     async def close(self) -> None:
         """Send what is queued, close every socket with 1001 and stop listening. Idempotent."""

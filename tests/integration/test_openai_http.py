@@ -241,6 +241,8 @@ def test_bad_chat_field_is_400_naming_it(server, extra, param):
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and \
         error["message"]
+    # the field as the client named it, never the WebSocket protocol's path
+    assert error["code"] and "$." not in error["message"], error
 
 
 def test_bad_completion_fields_and_http_errors(server):

@@ -48,6 +48,18 @@ class _Server:
                 await asyncio.sleep(0.1)
         return await asyncio.wait_for(serving(), 600)
 
+    async def loading_port(self) -> int:
+        """The port from the first line, printed before the model loads."""
+        async def loading() -> int:
+            while True:
+                for line in self.stdout:
+                    m = re.search(r"loading .* health at http://127\.0\.0\.1:(\d+)/health", line)
+                    if m:
+                        return int(m.group(1))
+                assert self.proc.returncode is None, "".join(self.stderr)[-3000:]
+                await asyncio.sleep(0.05)
+        return await asyncio.wait_for(loading(), 120)
+
     async def finish(self) -> int:
         code = await asyncio.wait_for(self.proc.wait(), 120)
         await asyncio.gather(*self._readers)
@@ -104,3 +116,21 @@ async def test_sigterm_drains_cancels_after_timeout_closes_1001_exits_0():
     assert "shutdown_started" in events and "shutdown_cancelling" in events
     assert events.index("shutdown_finished") > events.index("shutdown_cancelling")
     assert "conveyor: stopped" in stdout and "Traceback" not in stderr
+
+
+async def test_health_answers_503_starting_while_loading_and_a_signal_stops_at_once():
+    server = await _start_server()
+    try:
+        port = await server.loading_port()
+        status, _, body = await http_get(port, "/health")
+        assert status == 503, body  # the model takes seconds to load: still loading
+        assert json.loads(body)["status"] == "starting" and "loading" in json.loads(body)["reason"]
+        status, headers, _ = await http_get(port, "/v1/models")
+        assert status == 503 and int(headers["retry-after"]) > 0
+        server.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert await server.finish() == 0
+        assert time.monotonic() - signalled < 10, "the load was waited for"
+    finally:
+        await server.kill()
+    assert "conveyor: stopped while loading" in "".join(server.stdout)

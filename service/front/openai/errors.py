@@ -88,6 +88,14 @@ def from_protocol(e: ProtocolError | Error, renames: dict[str, str]) -> OpenAIEr
         retry = max(1, math.ceil(ms / 1000))
     elif e.code == "shutting_down":
         retry = SHUTDOWN_RETRY_AFTER_S
-    code = None if e.code in ("invalid_request", "internal_error") else e.code
-    return OpenAIError(status, e.message, param=param_of(e.param, renames), code=code,
-                       retry_after_s=retry)
+    param = param_of(e.param, renames)
+    message = e.message
+    if e.code == "invalid_request":
+        code = "invalid_value"  # as this front's own checks (`bad`) say it
+        if e.param and message.startswith(f"{e.param}: "):
+            # the engine names the wire's path ("$.params.temperature: ..."): the client
+            # named the field as `param` says
+            message = f"{param}: {message[len(e.param) + 2:]}" if param else message
+    else:
+        code = None if e.code == "internal_error" else e.code
+    return OpenAIError(status, message, param=param, code=code, retry_after_s=retry)

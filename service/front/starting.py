@@ -1,13 +1,14 @@
-"""The Ray ingress's ASGI app, and what it answers before its RemoteEngine exists (the
-replicas are loading).
+"""What the front answers before its engine exists (the model is loading), as an ASGI app.
 
-The ingress is up before any replica has loaded the model, so that /health answers from
-the first moment the proxy routes to it. Until the first replica's facts arrive (then
-the front app, service/front/app.py, serves every route), this app answers:
+Both servers bind their port before the model is loaded, so that /health answers from
+the first moment: `conveyor serve` (FrontServer started without an engine, service/cli.py)
+and the Ray ingress, whose RemoteEngine exists once a replica has loaded the model
+(service/cluster/ingress.py). Until then (afterwards the front app, service/front/app.py,
+serves every route) this app answers:
 
-    GET /health        503 {"status": "starting", "reason": "starting: ... (k of N ready)",
-                       "replicas": k, "expected_replicas": N} ("unavailable" and the
-                       error once the replicas failed to start); never guarded
+    GET /health        503 {"status": "starting", "reason": "starting: ...", ...counts}
+                       (on Ray the counts are "replicas": k, "expected_replicas": N;
+                       "unavailable" and the error once the start failed); never guarded
     WS  any path       accepted, then closed 1013 "the model is loading; try again later"
     /v1/... (HTTP)     503 with OpenAI's error body (code "model_loading") and Retry-After
     anything else      503 {"error": reason} with Retry-After
@@ -36,13 +37,14 @@ FAILED = "the engine failed to start"
 
 
 class StartingApp:
-    """The ingress's ASGI app: the answers above until `serving()` returns the front app,
-    which serves every request from then on.
+    """The answers above until `serving()` returns the front app, which serves every
+    request from then on.
 
     Args:
         access: the front's access rule (API key, allowed Origins).
-        state: () -> (reason, failed, {"replicas": k, "expected_replicas": N}) now;
-            failed: the replicas failed to start (reason says why).
+        state: () -> (reason, failed, counts) now: counts are extra /health fields (on
+            Ray {"replicas": k, "expected_replicas": N}); failed: the start failed
+            (reason says why).
         serving: () -> the front app once it exists, else None.
     """
 

@@ -1,6 +1,7 @@
-"""The Ray ingress's ASGI app before its RemoteEngine exists (service/cluster/starting.py),
-without Ray: /health 503 "starting", sockets closed 1013, the HTTP API 503 with an OpenAI
-error body and Retry-After, the guard kept; then every request goes to the front app."""
+"""The front's ASGI app before its engine exists (service/front/starting.py: the Ray
+ingress's answers while replicas load, `conveyor serve`'s while the model loads):
+/health 503 "starting", sockets closed 1013, the HTTP API 503 with an OpenAI error body
+and Retry-After, the guard kept; then every request goes to the front app."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from service.auth import AccessPolicy
-from service.cluster.starting import StartingApp
+from service.front.starting import StartingApp
 
 KEY = "k-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
