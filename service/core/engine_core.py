@@ -32,6 +32,7 @@ from service.core.block_pool import KVBlockPool
 from service.core.config import EngineConfig
 from service.core.fault_recovery import faulty_requests, reset_after_fault
 from service.core.kv_cache_manager import PreemptionCost
+from service.core.kv_disk import DiskTier
 from service.core.request import Request
 from service.core.runner import Runner
 from service.core.scheduler import Scheduler
@@ -69,7 +70,8 @@ class StepTimes(NamedTuple):
 
 class CoreStats(NamedTuple):
     """Counters for metrics and health: requests running and waiting, KV usage (0..1),
-    prefix cache queries and hits (tokens), preemptions, and faults survived."""
+    prefix cache queries and hits (tokens), preemptions, faults survived, and of the
+    prefix hits the tokens the disk tier had loaded (0 without one)."""
 
     running: int
     waiting: int
@@ -78,6 +80,7 @@ class CoreStats(NamedTuple):
     prefix_hits: int
     preemptions: int
     faults: int
+    prefix_disk_hits: int = 0
 
 
 class EngineCore:
@@ -88,18 +91,21 @@ class EngineCore:
         runner: anything meeting `service.core.runner.Runner`.
         cost: measured preemption rates (recompute-only without them in "auto" mode).
         clock: seconds, monotonic; request timings (first token, last token) use it.
+        disk: the disk KV tier over the runner's KV cache (`service.core.kv_disk`), or None.
     """
 
     def __init__(self, config: EngineConfig, runner: Runner, *,
                  cost: PreemptionCost | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 disk: DiskTier | None = None) -> None:
         self.config = config
         self.runner = runner
         cc = config.cache
         pool = KVBlockPool(runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, pool, runner.max_model_len, cache=cc,
                                    swap=SwapSpace(runner.num_swap_blocks), cost=cost,
-                                   clock=clock)
+                                   clock=clock, disk=disk)
+        self.disk = disk
         self.clock = clock
         self.max_model_len = runner.max_model_len
         self.num_steps = 0
@@ -146,7 +152,7 @@ class EngineCore:
         s, pool = self.scheduler, self.scheduler.pool
         return CoreStats(len(s.running), len(s.waiting), pool.usage,
                          pool.stats.prefix_cache_queries, pool.stats.prefix_cache_hits,
-                         s.num_preemptions, self.num_faults)
+                         s.num_preemptions, self.num_faults, pool.stats.prefix_cache_disk_hits)
 
     def check_integrity(self) -> None:
         """Pool, swap space and block tables agree (call when idle: nothing may leak)."""
@@ -199,8 +205,14 @@ class EngineCore:
                 self.scheduler.finish_request(req.request_id, reason)
                 outputs += self._ended(RequestOutput(req.request_id, new, reason))
         outputs += self._release_held()
+        self.scheduler.flush_disk_saves()  # the blocks of requests that ended, written behind
         self.last_step_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
+
+    def flush_disk_saves(self) -> None:
+        """Hand the disk tier the blocks of requests that ended since the last step (the
+        engine calls it before closing, so a cancel's blocks are not lost)."""
+        self.scheduler.flush_disk_saves()
 
     def _run(self, out: SchedulerOutput) -> RunnerOutput:
         if out.has_block_ops:
