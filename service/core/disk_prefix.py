@@ -16,8 +16,8 @@ A load that fails (a bad or missing file) stops at that block: the rest is compu
 If the pool's blocks 0..p were evicted meanwhile the chain breaks there and the
 request computes from the gap on: a smaller hit, never wrong KV.
 
-Write-behind: when a request ends (or is preempted for recompute), its computed full
-blocks are noted; `flush()` hands them to `DiskTier.save` before the next allocation
+Write-behind: when a request's prompt is done (its first token sampled), when it ends,
+and when it is preempted for recompute, its computed full blocks are noted; `flush()` hands them to `DiskTier.save` before the next allocation
 can reuse their blocks (end of step() and start of schedule()), which copies their K/V
 out at once and writes them behind.
 """

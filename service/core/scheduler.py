@@ -284,12 +284,15 @@ class Scheduler:
 
         Returns (the requests that got a new token, in schedule order; request id ->
         error for those whose update raised: the caller fails them, the rest go on).
-        Full blocks computed this step enter the prefix cache. Requests finished
+        Full blocks computed this step enter the prefix cache (and, once a prompt is
+        done, the disk tier's write queue: a long-running request's prompt is on disk
+        before it ends). Requests finished
         meanwhile (a cancel that raced the step) are skipped.
         """
         got: list[Request] = []
         failed: dict[str, str] = {}
         requests, bs, running = self.requests, self.pool.block_size, RequestStatus.RUNNING
+        disk = self.kv.disk
         for seq in output.sequences:
             req = requests.get(seq.request_id)
             if req is None or req.status is not running:
@@ -300,6 +303,8 @@ class Scheduler:
                     self.kv.cache_full_blocks(req)
                 token = sampled.get(seq.request_id)
                 if token is not None:
+                    if not req.output_token_ids and disk is not None:
+                        disk.note_blocks(req)  # its prompt is in: write it behind now
                     req.output_token_ids.append(token)
                     got.append(req)
             except Exception as e:  # noqa: BLE001 -- pinned on this request only

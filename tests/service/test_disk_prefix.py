@@ -50,10 +50,13 @@ def test_finished_request_blocks_are_saved_with_exact_ids_and_tokens():
     # 10 prompt tokens + 2 outputs have K/V (the third output was never run): 3 full blocks
     tokens = A_PROMPT + [100, 101]
     digests = block_digests(tier.root, tokens, BS)
-    (saved,) = tier.save_calls
-    assert [(b.digest, b.token_ids, b.block_id) for b in saved] == [
-        (digests[0], (1, 2, 3, 4), 0), (digests[1], (5, 6, 7, 8), 1),
-        (digests[2], (9, 10, 100, 101), 2)]
+    # once its prompt is done (first token), then all of them when it ends (the tier skips
+    # what it already holds)
+    prompt_done, ended = tier.save_calls
+    expected = [(digests[0], (1, 2, 3, 4), 0), (digests[1], (5, 6, 7, 8), 1),
+                (digests[2], (9, 10, 100, 101), 2)]
+    assert [(b.digest, b.token_ids, b.block_id) for b in prompt_done] == expected[:2]
+    assert [(b.digest, b.token_ids, b.block_id) for b in ended] == expected
 
 
 def test_a_loading_request_waits_while_others_run_then_starts_from_its_disk_prefix():
@@ -120,9 +123,10 @@ def test_abort_during_a_load_drops_its_result_and_leaks_nothing():
 def test_a_request_that_fails_is_not_saved():
     tier = FakeDiskTier()
     core = make(tier)
-    core.add_request(req("A", A_PROMPT, 5))
+    core.add_request(req("A", list(range(1, 21)), 5))  # 20 tokens: a 16-token chunk first
     step(core)
-    core.finish_request("A", "error", "boom")
+    assert core.get_request("A").num_computed_tokens == 16
+    core.finish_request("A", "error", "boom")  # its 4 full blocks are never saved
     step(core)
     assert tier.save_calls == []
     core.add_request(req("D", A_PROMPT, 1))
