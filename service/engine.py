@@ -152,7 +152,8 @@ class Engine(Drainable):
         if self._disk is not None and self._executor is not None:
             # the blocks of the requests cancelled just now, then the queued writes
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, self.core.flush_disk_saves)
+            if self._core is not None:
+                await loop.run_in_executor(self._executor, self._core.flush_disk_saves)
             await loop.run_in_executor(self._executor, self._disk.close)
         if self._executor is not None:
             self._executor.shutdown(wait=True)

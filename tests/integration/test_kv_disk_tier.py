@@ -109,3 +109,17 @@ async def test_damaged_and_foreign_blocks_and_a_full_disk_are_misses(
     assert text3 == text0 and not filling.disk_tier.enabled
     assert "kv disk tier off" in caplog.text and "No space left" in caplog.text
     assert metric(await filling.metrics_text(), "kv_disk_enabled") == 0
+
+
+async def test_two_engines_on_one_directory_share_blocks_written_after_start_up(
+        make_engine, tmp_path):
+    """As two replicas on one node: B started before A wrote anything, and still hits."""
+    a = await make_engine(kv_disk_path=str(tmp_path))
+    b = await make_engine(kv_disk_path=str(tmp_path))
+    assert len(b.disk_tier.index) == 0
+    text_a, done_a = await ask(a)
+    await a.close()  # its writes are done
+    text_b, done_b = await ask(b)
+    assert text_b == text_a and done_a.usage.cached_tokens == 0
+    full = (done_b.usage.prompt_tokens // 16) * 16
+    assert done_b.usage.cached_tokens >= 0.9 * full, done_b.usage
