@@ -13,8 +13,9 @@ Read-ahead, for a waiting request (new, or preempted for recompute), once:
     3. The request starts as usual (`KVCacheManager.start`): its pool prefix now spans
        p + k' blocks; only the rest is prefilled.
 A load that fails (a bad or missing file) stops at that block: the rest is computed.
-If the pool's blocks 0..p were evicted meanwhile the chain breaks there and the
-request computes from the gap on: a smaller hit, never wrong KV.
+If the pool evicted some of blocks 0..p meanwhile, the load is dropped and the request
+is looked up again from its shorter pool hit. A hit is confirmed token by token in the
+pool as always: at worst a smaller hit, never wrong KV.
 
 Write-behind: when a request's prompt is done (its first token sampled), when it ends,
 and when it is preempted for recompute, its computed full blocks are noted; `flush()` hands them to `DiskTier.save` before the next allocation
@@ -109,7 +110,11 @@ class DiskPrefix:
                 continue
             tokens = req.all_token_ids
             prefix = self.pool.find_cached_prefix(tokens, req.block_hashes)
-            if len(prefix) < p:  # the pool lost blocks before p meanwhile: the chain breaks
+            if len(prefix) < p:
+                # the pool evicted some of blocks 0..p meanwhile: the chain would break
+                # there, so look again (the next lookup starts at the shorter pool hit, and
+                # the gap can only shrink to 0: at most p retries)
+                req.disk_checked = False
                 self.num_unplaced_blocks += k
                 self.tier.discard(result)
                 continue

@@ -99,6 +99,7 @@ class DiskTier:
         self.index = DiskIndex(capacity_bytes)
         self.stats = DiskTierStats()
         self.enabled = True
+        self._closed = False
         self.on_load_seconds: Callable[[float], None] | None = None  # the metrics' histogram
         self.queue_bytes = queue_bytes
         self.max_loads = max_loads
@@ -192,7 +193,7 @@ class DiskTier:
 
     def save(self, blocks: Sequence[DiskBlock]) -> None:
         """Copy the blocks' K/V out now and queue their write (see the module docstring)."""
-        if not self.enabled:
+        if not self.enabled or self._closed:
             return
         todo: list[DiskBlock] = []
         seen: set[bytes] = set()
@@ -219,7 +220,7 @@ class DiskTier:
 
     def load(self, key: str, digests: Sequence[bytes],
              token_ids: Sequence[tuple[int, ...]]) -> bool:
-        if not self.enabled or not digests:
+        if not self.enabled or self._closed or not digests:
             return False
         with self._lock:
             if self._loads_inflight >= self.max_loads:
@@ -249,13 +250,18 @@ class DiskTier:
         """Nothing to free but the staging tensor, which the result holds."""
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Finish the queued writes (at most `timeout_s`), then stop both threads."""
+        """Finish the queued writes (at most `timeout_s`), stop both threads and let go of
+        the KV cache (saves and loads are no-ops afterwards). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._write_q.put(None)
         self._load_q.put(None)
         self._writer.join(timeout_s)
         self._loader.join(5.0)
         if self._writer.is_alive():
             log.warning("kv disk tier: writes still queued after %.0f s at close", timeout_s)
+        self.kv_caches = []  # the runner's release() may free them now
 
     # ---- the writer thread --------------------------------------------------------------
     def _write_loop(self) -> None:

@@ -144,3 +144,31 @@ def test_a_disabled_tier_is_never_asked():
     step(core)
     assert tier.loads == {} and core.runner.calls[-1] == ["B"]  # ran at once, no load
     assert not core.has_unfinished()
+
+
+def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=8)  # 32 tokens: A and B cannot both reach 20
+    a, b = req("A", list(range(1, 9)), 12), req("B", list(range(50, 58)), 12)
+    core.add_request(a)
+    core.add_request(b)
+    for _ in range(200):
+        if b.num_preemptions:
+            break
+        step(core)
+    assert b.num_preemptions == 1 and b.status.value == "preempted"
+    saved_b = [blk for call in tier.save_calls for blk in call if blk.token_ids[0] >= 50]
+    assert saved_b and len(saved_b) >= 2  # its prompt's 2 blocks at least
+    while "B" not in tier.loads:  # on resume, the block past its pool hit is on disk
+        assert core.has_unfinished()
+        step(core)
+    while not a.is_finished:  # B waits on its load meanwhile, A runs (and frees room)
+        assert "B" not in core.runner.calls[-1]
+        step(core)
+    tier.complete("B")
+    step(core)
+    assert tier.installs[-1][0] == "B"
+    assert core.stats().prefix_disk_hits > 0
+    while core.has_unfinished():
+        step(core)
+    assert len(b.output_token_ids) == 12 and core.scheduler.pool.usage == 0.0
