@@ -163,6 +163,11 @@ class EngineCore:
         """One iteration: schedule, run the forward, append sampled tokens, check stops,
         finish. Returns this step's outputs (new tokens and ends); [] when nothing ran.
         Never raises for a fault of one request (see the module docstring)."""
+        outputs = self._step()
+        self.scheduler.flush_disk_saves()  # the blocks of requests that ended, written behind
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         try:
             out = self.scheduler.schedule()
@@ -205,7 +210,6 @@ class EngineCore:
                 self.scheduler.finish_request(req.request_id, reason)
                 outputs += self._ended(RequestOutput(req.request_id, new, reason))
         outputs += self._release_held()
-        self.scheduler.flush_disk_saves()  # the blocks of requests that ended, written behind
         self.last_step_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
 
