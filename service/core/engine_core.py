@@ -154,6 +154,11 @@ class EngineCore:
                          pool.stats.prefix_cache_queries, pool.stats.prefix_cache_hits,
                          s.num_preemptions, self.num_faults, pool.stats.prefix_cache_disk_hits)
 
+    def flush_disk_saves(self) -> None:
+        """Hand the disk tier the blocks of requests that ended since the last step (the
+        engine calls it before closing, so a cancel's blocks are not lost)."""
+        self.scheduler.flush_disk_saves()
+
     def check_integrity(self) -> None:
         """Pool, swap space and block tables agree (call when idle: nothing may leak)."""
         self.scheduler.check_integrity()
@@ -212,11 +217,6 @@ class EngineCore:
         outputs += self._release_held()
         self.last_step_times = StepTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return outputs
-
-    def flush_disk_saves(self) -> None:
-        """Hand the disk tier the blocks of requests that ended since the last step (the
-        engine calls it before closing, so a cancel's blocks are not lost)."""
-        self.scheduler.flush_disk_saves()
 
     def _run(self, out: SchedulerOutput) -> RunnerOutput:
         if out.has_block_ops:
