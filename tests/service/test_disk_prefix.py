@@ -172,3 +172,37 @@ def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back
     while core.has_unfinished():
         step(core)
     assert len(b.output_token_ids) == 12 and core.scheduler.pool.usage == 0.0
+
+
+def test_a_load_whose_pool_prefix_was_evicted_meanwhile_is_looked_up_again():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=6)
+    core.add_request(req("A", A_PROMPT, 3))
+    while core.has_unfinished():
+        step(core)  # free queue now [3, 4, 5, 2, 1, 0]: A's blocks cached, tail first
+    c = req("C", list(range(200, 213)), 3)
+    core.add_request(c)
+    step(core)  # C takes 4 blocks, evicting A's block 2 from the pool (not from disk)
+    assert c.block_ids == [3, 4, 5, 2]
+    b = req("B", A_PROMPT + [100, 101, 7], 1)
+    d = req("D", list(range(300, 305)), 2)
+    core.add_request(b)
+    core.add_request(d)
+    step(core)  # B: pool hit 2 blocks, block 2 read from disk; D evicts blocks 1 and 0
+    assert len(tier.loads["B"][0]) == 1 and d.block_ids == [1, 0]
+    tier.complete("B")
+    step(core)  # the load arrives after its pool prefix is gone: dropped, B looked up again
+    assert tier.discarded == ["B"] and b.num_cached_tokens == -1
+    for _ in range(5):  # (as soon as the pool is under its high watermark)
+        if "B" in tier.loads:
+            break
+        step(core)
+    assert len(tier.loads["B"][0]) == 3  # from block 0 now
+    while not (c.is_finished and d.is_finished):
+        step(core)
+    tier.complete("B")
+    step(core)
+    assert len(tier.installs) == 1 and len(tier.installs[0][1]) == 3
+    assert b.num_cached_tokens == 12 and b.num_disk_cached_tokens == 12
+    while core.has_unfinished():
+        step(core)
