@@ -213,10 +213,14 @@ class DiskTier:
             self._queued.update(b.digest for b in todo)
         if not todo:
             return
-        dev = self.kv_caches[0].device
-        ids = torch.tensor([b.block_id for b in todo], device=dev)
-        staging = torch.stack([kv[:, ids] for kv in self.kv_caches]).to("cpu")
-        self._write_q.put(_WriteJob(todo, staging, nbytes))
+        first = self.kv_caches[0]
+        ids = torch.tensor([b.block_id for b in todo], device=first.device)
+        # [L, 2, n, block_size, Hkv, D]: one copy of each block, gathered on its device
+        staging = torch.empty((len(self.kv_caches), 2, len(todo)) + tuple(first.shape[2:]),
+                              dtype=first.dtype, device=first.device)
+        for layer, kv in enumerate(self.kv_caches):
+            torch.index_select(kv, 1, ids, out=staging[layer])
+        self._write_q.put(_WriteJob(todo, staging.to("cpu"), nbytes))
 
     def load(self, key: str, digests: Sequence[bytes],
              token_ids: Sequence[tuple[int, ...]]) -> bool:
