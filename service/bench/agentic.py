@@ -10,11 +10,13 @@ round robin (every session's turn t, then turn t+1), one request at a time, so a
 returning turn finds its session's blocks evicted from a pool (`--num-kv-blocks`)
 smaller than the working set, unless the disk tier kept them.
 
-Three runs on one loaded checkpoint:
+Two engines on one loaded checkpoint, served the same requests alternately (so they
+see the same machine load):
 - off:     no disk tier;
 - on:      a disk tier on a fresh directory;
-- restart: a new engine on the same directory, one more turn for every session
-           (the first turns after a restart).
+then, for the first turns after a restart, one more turn of every session on a new
+engine over the same directory ("restart"), alternating with a new engine without
+the tier ("restart_off").
 Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens), prompt
 tokens computed, TTFT p50 / p99 of first and returning turns, disk hits; and whether
 every greedy answer of "on" equals that of "off".
@@ -80,26 +82,33 @@ async def ask(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
-async def run(config: EngineConfig, loaded: LoadedModel, sessions, turns: range,
-              histories: list[list[int]], max_tokens: int) -> tuple[list[dict], dict]:
-    """Run `turns` of every session, round robin; histories are extended in place."""
-    records: list[dict] = []
-    async with Engine(config, loaded=loaded) as engine:
-        for t in turns:
-            for s, (_, tools) in enumerate(sessions):
-                histories[s] += tools[t]
-                r = await ask(engine, list(histories[s]), max_tokens)
-                histories[s] += r["answer"]
-                records.append({"session": s, "turn": t, **r})
-        stats = engine.stats()
-        tier = engine.disk_tier
-        extra = {"prefix_hits": stats.prefix_hits, "prefix_disk_hits": stats.prefix_disk_hits}
-        if tier is not None:
-            st = tier.stats
-            extra.update(blocks_written=st.blocks_written, blocks_read=st.blocks_read,
-                         writes_dropped=st.writes_dropped, read_failures=st.read_failures,
-                         disk_bytes=tier.index.total_bytes)
-    return records, extra
+def engine_extra(engine: Engine) -> dict:
+    stats = engine.stats()
+    extra = {"prefix_hits": stats.prefix_hits, "prefix_disk_hits": stats.prefix_disk_hits}
+    tier = engine.disk_tier
+    if tier is not None:
+        st = tier.stats
+        extra.update(blocks_written=st.blocks_written, blocks_read=st.blocks_read,
+                     writes_dropped=st.writes_dropped, read_failures=dict(st.read_failures),
+                     disk_bytes=tier.index.total_bytes)
+    return extra
+
+
+async def run(engines: dict[str, Engine], sessions, turns: range,
+              histories: dict[str, list[list[int]]], max_tokens: int) -> dict[str, list[dict]]:
+    """Run `turns` of every session, round robin, on every engine in turn (the same
+    request on each before the next one, so they share the machine's load); each
+    engine's histories are extended in place with its own answers."""
+    records: dict[str, list[dict]] = {name: [] for name in engines}
+    for t in turns:
+        for s, (_, tools) in enumerate(sessions):
+            for name, engine in engines.items():
+                hist = histories[name][s]
+                hist += tools[t]
+                r = await ask(engine, list(hist), max_tokens)
+                hist += r["answer"]
+                records[name].append({"session": s, "turn": t, **r})
+    return records
 
 
 def summarize(records: list[dict], extra: dict, first_turn: int) -> dict:
@@ -140,25 +149,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     async def go() -> dict:
         report: dict = {"args": vars(args), "kv_disk_path": path}
-        runs = {}
-        for name, cfg in (("off", base), ("on", tiered)):
-            hist = [list(ctx) for ctx, _ in sessions]
-            records, extra = await run(cfg, loaded, sessions, range(args.turns), hist,
-                                       args.max_tokens)
-            runs[name] = (records, hist)
-            report[name] = summarize(records, extra, 0)
-            print(name, json.dumps(report[name]), file=sys.stderr)
+        histories = {name: [list(ctx) for ctx, _ in sessions] for name in ("off", "on")}
+        async with Engine(base, loaded=loaded) as off, Engine(tiered, loaded=loaded) as on:
+            engines = {"off": off, "on": on}
+            records = await run(engines, sessions, range(args.turns), histories,
+                                args.max_tokens)
+            for name, engine in engines.items():
+                report[name] = summarize(records[name], engine_extra(engine), 0)
+                print(name, json.dumps(report[name]), file=sys.stderr)
         report["greedy_identical"] = all(
-            a["answer"] == b["answer"] for a, b in zip(runs["off"][0], runs["on"][0]))
-        hist = runs["on"][1]
-        records, extra = await run(tiered, loaded, sessions, range(args.turns, args.turns + 1),
-                                   hist, args.max_tokens)
-        report["restart"] = summarize(records, extra, args.turns)
-        report["restart"]["ttft_ms_p50"] = percentile([r["ttft_ms"] for r in records], 50)
+            a["answer"] == b["answer"] for a, b in zip(records["off"], records["on"]))
+        # the first turns after a restart: a new engine on the tier's directory, paired
+        # with the (still cold for these contexts) engine without the tier
+        hist = {"off": histories["off"], "restart": histories["on"]}
+        async with Engine(base, loaded=loaded) as off, Engine(tiered, loaded=loaded) as again:
+            engines = {"off": off, "restart": again}
+            records = await run(engines, sessions, range(args.turns, args.turns + 1), hist,
+                                args.max_tokens)
+            report["restart"] = summarize(records["restart"], engine_extra(again), args.turns)
+            report["restart_off"] = summarize(records["off"], engine_extra(off), args.turns)
         off, on = report["off"], report["on"]
         if on["ttft_ms_returning_p50"]:
             report["returning_ttft_p50_off_over_on"] = round(
                 off["ttft_ms_returning_p50"] / on["ttft_ms_returning_p50"], 2)
+        if report["restart"]["ttft_ms_first_turns_p50"]:
+            report["restart_ttft_p50_off_over_on"] = round(
+                report["restart_off"]["ttft_ms_first_turns_p50"]
+                / report["restart"]["ttft_ms_first_turns_p50"], 2)
         return report
 
     report = asyncio.run(go())
