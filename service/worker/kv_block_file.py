@@ -12,7 +12,7 @@ Layout (little-endian; every field fixed-size but the token ids and payload):
     56          4n     token ids (uint32)
     56+4n       P      payload: the block's K/V of every layer, [L, 2, block_size, Hkv, D]
                        in the KV cache's dtype, C order (raw bytes)
-    56+4n+P     32     blake2b-256 of every byte before it
+    56+4n+P     32     SHA-256 of every byte before it
 
 A file is written under a temporary name in the same folder and renamed into place
 (`os.replace`, atomic on POSIX), so a reader sees a whole file or none. A read checks
@@ -36,7 +36,8 @@ MAGIC = b"CVKVBLK1"
 _HEAD = struct.Struct("<8s16s16sIIQ")  # magic, fingerprint, digest, n, reserved, P
 CHECKSUM_BYTES = 32
 
-__all__ = ["BlockFileError", "file_nbytes", "read_block_file", "write_block_file"]
+__all__ = ["BlockFileError", "file_nbytes", "read_block_file", "read_block_file_into",
+           "write_block_file"]
 
 
 class BlockFileError(Exception):
@@ -47,6 +48,12 @@ class BlockFileError(Exception):
         super().__init__(f"{path}: bad KV block file ({reason})")
         self.reason = reason
         self.path = str(path)
+
+
+def _checksum(data: bytes):
+    """The checksum's hash object: SHA-256, which the CPU's SHA extensions compute at
+    1-2 GB/s where present (blake2b ran at 0.55 GB/s, 2/3 of a load, on the dev machine)."""
+    return hashlib.sha256(data)
 
 
 def file_nbytes(num_tokens: int, payload_nbytes: int) -> int:
@@ -65,7 +72,7 @@ def write_block_file(path: Path, fingerprint: bytes, digest: bytes,
     payload = memoryview(payload).cast("B")
     head = _HEAD.pack(MAGIC, fingerprint, digest, len(token_ids), 0, payload.nbytes)
     tokens = tokens_to_bytes(token_ids)
-    check = hashlib.blake2b(head, digest_size=CHECKSUM_BYTES)
+    check = _checksum(head)
     check.update(tokens)
     check.update(payload)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -87,19 +94,36 @@ def write_block_file(path: Path, fingerprint: bytes, digest: bytes,
 
 def read_block_file(path: Path, fingerprint: bytes, digest: bytes,
                     token_ids: Sequence[int], payload_nbytes: int) -> bytearray:
-    """The verified payload of the block file at `path` (a bytearray, writable, so
-    `torch.frombuffer` can view it without a copy).
+    """The verified payload of the block file at `path` (a new bytearray, writable, so
+    `torch.frombuffer` can view it); see read_block_file_into."""
+    out = bytearray(payload_nbytes)
+    read_block_file_into(path, fingerprint, digest, token_ids, memoryview(out))
+    return out
 
-    token_ids: the tokens the caller expects in this block; payload_nbytes: the size
-    its KV layout implies. Raises FileNotFoundError when there is no file,
-    BlockFileError when it fails a check, OSError for other I/O errors.
+
+def read_block_file_into(path: Path, fingerprint: bytes, digest: bytes,
+                         token_ids: Sequence[int], out: memoryview) -> None:
+    """Read the block file at `path` and verify it, its payload straight into `out`
+    (a writable buffer of exactly the payload's size, e.g. a staging tensor's bytes).
+
+    token_ids: the tokens the caller expects in this block. Raises FileNotFoundError
+    when there is no file, BlockFileError when it fails a check (`out` then holds
+    garbage), OSError for other I/O errors.
     """
+    out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+    payload_nbytes = out.nbytes
     expected = file_nbytes(len(token_ids), payload_nbytes)
     with open(path, "rb") as f:
-        data = bytearray(f.read(expected + 1))
-    if len(data) != expected:
-        raise BlockFileError("truncated" if len(data) < expected else "size", path)
-    magic, fp, dg, n, _, p = _HEAD.unpack_from(data)
+        size = os.fstat(f.fileno()).st_size
+        if size != expected:
+            raise BlockFileError("truncated" if size < expected else "size", path)
+        head = f.read(_HEAD.size + 4 * len(token_ids))
+        got = f.readinto(out)
+        tail = f.read(CHECKSUM_BYTES + 1)
+    if len(head) != _HEAD.size + 4 * len(token_ids) or got != payload_nbytes or \
+            len(tail) != CHECKSUM_BYTES:
+        raise BlockFileError("truncated", path)  # shrank while being read
+    magic, fp, dg, n, _, p = _HEAD.unpack_from(head)
     if magic != MAGIC:
         raise BlockFileError("magic", path)
     if fp != fingerprint:
@@ -108,15 +132,9 @@ def read_block_file(path: Path, fingerprint: bytes, digest: bytes,
         raise BlockFileError("digest", path)
     if n != len(token_ids) or p != payload_nbytes:
         raise BlockFileError("size", path)
-    start = _HEAD.size
-    if data[start:start + 4 * n] != tokens_to_bytes(token_ids):
+    if head[_HEAD.size:] != tokens_to_bytes(token_ids):
         raise BlockFileError("tokens", path)
-    body = memoryview(data)[:expected - CHECKSUM_BYTES]
-    ok = hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest() == data[-CHECKSUM_BYTES:]
-    body.release()
-    if not ok:
+    check = _checksum(head)
+    check.update(out)
+    if check.digest() != tail:
         raise BlockFileError("checksum", path)
-    payload_start = start + 4 * n
-    del data[-CHECKSUM_BYTES:]
-    del data[:payload_start]
-    return data

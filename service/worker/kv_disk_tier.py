@@ -37,7 +37,7 @@ import torch
 
 from service.core.kv_disk import DiskBlock, LoadResult
 from service.core.kv_disk_index import DiskIndex
-from service.worker.kv_block_file import (BlockFileError, file_nbytes, read_block_file,
+from service.worker.kv_block_file import (BlockFileError, file_nbytes, read_block_file_into,
                                           write_block_file)
 from service.worker.kv_fingerprint import fingerprint_digest, kv_fingerprint_fields
 
@@ -309,28 +309,33 @@ class DiskTier:
             if job is None:
                 return
             key, digests, token_ids, t0 = job
-            blocks: list[torch.Tensor] = []
+            staging = None
             try:
-                blocks = self._read(digests, token_ids)
+                staging = self._read(digests, token_ids)
             except Exception:  # noqa: BLE001 -- a bug here must not kill the thread silently
                 log.exception("kv disk tier: load failed")
             seconds = time.perf_counter() - t0
-            staging = torch.stack(blocks) if blocks else None
             with self._lock:
                 self._loads_inflight -= 1
-            self._done.append(LoadResult(key, len(blocks), seconds, staging))
+            n = 0 if staging is None else staging.shape[0]
+            self._done.append(LoadResult(key, n, seconds, staging))
             if self.on_load_seconds is not None:
                 self.on_load_seconds(seconds)
 
-    def _read(self, digests: list[bytes], token_ids: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Read and verify blocks in order, stopping at the first miss."""
-        out: list[torch.Tensor] = []
+    def _read(self, digests: list[bytes], token_ids: list[tuple[int, ...]]
+              ) -> torch.Tensor | None:
+        """Read and verify blocks in order straight into one staging tensor
+        [k, L, 2, block_size, Hkv, D], stopping at the first miss; None when the first
+        block fails (the tensor is cut to the blocks that passed)."""
+        staging = torch.empty((len(digests),) + self.block_shape, dtype=self.dtype)
+        raw = staging.view(torch.uint8).view(len(digests), -1).numpy()  # [k, bytes]
+        n = 0
         for digest, tokens in zip(digests, token_ids):
             if not self.enabled:
                 break
             path = self.path_of(digest)
             try:
-                data = read_block_file(path, self.root, digest, tokens, self.payload_nbytes)
+                read_block_file_into(path, self.root, digest, tokens, memoryview(raw[n]))
             except FileNotFoundError:
                 self._miss(digest, "missing", f"{path}: no such block file")
                 break
@@ -349,11 +354,10 @@ class DiskTier:
                 os.utime(path)  # recency survives a restart (the scan orders by mtime)
             except OSError:
                 pass
-            t = torch.frombuffer(data, dtype=torch.uint8).view(self.dtype)
-            out.append(t.view(self.block_shape))
+            n += 1
             self.stats.blocks_read += 1
             self.stats.bytes_read += self.file_nbytes
-        return out
+        return staging[:n] if n else None
 
     def _miss(self, digest: bytes, reason: str, message: str) -> None:
         self.index.discard(digest)

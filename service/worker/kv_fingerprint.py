@@ -27,7 +27,8 @@ from service.core.kv_digest import DIGEST_BYTES
 
 __all__ = ["FORMAT_VERSION", "fingerprint_digest", "kv_fingerprint_fields", "model_identity"]
 
-FORMAT_VERSION = 1  # of the block file and this fingerprint: bump to orphan old files
+FORMAT_VERSION = 2  # of the block file and this fingerprint: bump to orphan old files
+# (2: the checksum is SHA-256, was blake2b-256)
 
 
 def model_identity(path: str | os.PathLike) -> list[dict[str, Any]]:
