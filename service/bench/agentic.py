@@ -134,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--quantization", default="auto")
-    ap.add_argument("--kv-disk-path", default=None, help="default: a fresh temporary folder")
+    ap.add_argument("--kv-disk-path", default=None,
+                    help="default: a fresh temporary folder, deleted at the end")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)
     loaded = load_model(None, torch.float32)
@@ -178,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 / report["restart"]["ttft_ms_first_turns_p50"], 2)
         return report
 
-    report = asyncio.run(go())
+    try:
+        report = asyncio.run(go())
+    finally:
+        if args.kv_disk_path is None:  # our temporary folder: hundreds of MB of blocks
+            shutil.rmtree(path, ignore_errors=True)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
