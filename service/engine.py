@@ -81,6 +81,7 @@ class Engine(Drainable):
         self.ready = False
         self.accepting = False
         self.metrics: EngineMetrics | None = None
+        self._disk: Any = None  # service.worker.kv_disk_tier.DiskTier when --kv-disk-path
         self.sampling_defaults = SamplingDefaults()  # set from the model's generation config
 
     # ---- life cycle --------------------------------------------------------------
@@ -102,9 +103,14 @@ class Engine(Drainable):
                 cost = PreemptionCost(runner.kv_bytes_per_block, swap_bw, prefill_rate)
             log.info("measured_rates", swap_gb_per_s=round(swap_bw / 1e9, 2),
                      prefill_tokens_per_s=round(prefill_rate))
-        self._core = core = EngineCore(self.config, runner, cost=cost)
+        self._disk = None
+        if self.config.cache.kv_disk_path is not None:
+            self._disk = await loop.run_in_executor(self._executor, self._open_disk_tier)
+        self._core = core = EngineCore(self.config, runner, cost=cost, disk=self._disk)
         self.metrics = EngineMetrics(runner.model_name)
         self.metrics.read_state_from(self._metrics_state)
+        if self._disk is not None:
+            self.metrics.read_disk_tier_from(self._disk)
         if hasattr(runner, "linear_layer_formats"):
             self.metrics.set_linear_layers(runner.linear_layer_formats())
         self.sampling_defaults = load_sampling_defaults(
@@ -143,6 +149,12 @@ class Engine(Drainable):
             self._loop.close()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._disk is not None and self._executor is not None:
+            # the blocks of the requests cancelled just now, then the queued writes
+            loop = asyncio.get_running_loop()
+            if self._core is not None:
+                await loop.run_in_executor(self._executor, self._core.flush_disk_saves)
+            await loop.run_in_executor(self._executor, self._disk.close)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self._admission is not None:
@@ -150,6 +162,26 @@ class Engine(Drainable):
         release = getattr(self._runner, "release", None)
         if release is not None:
             release()  # the KV cache and weights go now, not at the next GC
+
+    def _open_disk_tier(self) -> Any:
+        """The disk KV tier over the runner's KV cache, or None (logged) when its directory
+        cannot be used or the runner has no KV tensors (a fake runner)."""
+        from service.worker.kv_disk_tier import open_disk_tier
+
+        if not hasattr(self._runner, "kv_caches"):
+            log.warning("kv_disk_tier_unavailable", reason="the runner has no KV cache tensors")
+            return None
+        try:
+            return open_disk_tier(self.config, self._runner)
+        except OSError as e:
+            log.error("kv_disk_tier_unavailable", path=self.config.cache.kv_disk_path,
+                      error=str(e))
+            return None
+
+    @property
+    def disk_tier(self) -> Any:
+        """The disk KV tier (`service.worker.kv_disk_tier.DiskTier`), None when off."""
+        return self._disk
 
     def health(self) -> tuple[bool, str]:
         """(serving, why): False while loading or draining, when the step loop has died,

@@ -18,6 +18,14 @@
 | iteration_tokens_total             | iteration_tokens_total             |
 | websocket_connections              | (none: Conveyor's own)             |
 | linear_layers{format}              | (none: layers per weight format)   |
+| prefix_cache_tier_hits_total{tier} | (none: prefix hits, tier pool/disk) |
+| kv_disk_* (with --kv-disk-path)    | (none: the disk KV tier)           |
+
+The disk tier's metrics (`kv_disk_blocks_written_total`, `kv_disk_bytes_written_total`,
+`kv_disk_blocks_read_total`, `kv_disk_bytes_read_total`, `kv_disk_writes_dropped_total`,
+`kv_disk_read_failures_total{reason}`, `kv_disk_evictions_total`, `kv_disk_usage_bytes`,
+`kv_disk_enabled`, and the histogram `kv_disk_load_seconds`: one load's read and
+verification, from queueing to done) exist only when the engine has one.
 
 Gauges and the prefix-cache and preemption counters are read from the engine's
 state when /metrics is scraped (on the event loop, where that state lives), so
@@ -64,6 +72,53 @@ class _StateCollector:
             metric = family(PREFIX + name, doc, labels=names)
             metric.add_metric(values, value)
             yield metric
+        tiers = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits",
+                                    "Prompt tokens served from the prefix cache, by the tier "
+                                    "their KV came from (pool, or read back from disk).",
+                                    labels=names + ["tier"])
+        tiers.add_metric(values + ["pool"], s.prefix_hits - s.prefix_disk_hits)
+        tiers.add_metric(values + ["disk"], s.prefix_disk_hits)
+        yield tiers
+
+
+class _DiskCollector:
+    """The disk KV tier's counters, read from its stats at scrape time."""
+
+    def __init__(self, tier, labels: dict[str, str]) -> None:
+        self._tier = tier
+        self._labels = labels
+
+    def collect(self) -> Iterator:
+        t, st = self._tier, self._tier.stats
+        names, values = list(self._labels), list(self._labels.values())
+        for name, doc, value, family in (
+            ("kv_disk_blocks_written", "KV blocks written to the disk tier.",
+             st.blocks_written, CounterMetricFamily),
+            ("kv_disk_bytes_written", "Bytes of KV block files written.", st.bytes_written,
+             CounterMetricFamily),
+            ("kv_disk_blocks_read", "KV blocks read back from the disk tier and verified.",
+             st.blocks_read, CounterMetricFamily),
+            ("kv_disk_bytes_read", "Bytes of KV block files read and verified.", st.bytes_read,
+             CounterMetricFamily),
+            ("kv_disk_writes_dropped", "Blocks not written: the write queue was full.",
+             st.writes_dropped, CounterMetricFamily),
+            ("kv_disk_evictions", "Block files evicted (LRU, by --kv-disk-size).",
+             st.blocks_evicted, CounterMetricFamily),
+            ("kv_disk_usage_bytes", "Bytes of block files the tier holds.",
+             t.index.total_bytes, GaugeMetricFamily),
+            ("kv_disk_enabled", "1 while the disk tier serves, 0 once an I/O error turned it "
+             "off.", int(t.enabled), GaugeMetricFamily),
+        ):
+            metric = family(PREFIX + name, doc, labels=names)
+            metric.add_metric(values, value)
+            yield metric
+        failures = CounterMetricFamily(PREFIX + "kv_disk_read_failures",
+                                       "Block reads served as misses, by reason (missing, "
+                                       "truncated, checksum, fingerprint, ...).",
+                                       labels=names + ["reason"])
+        for reason, n in sorted(dict(st.read_failures).items()):
+            failures.add_metric(values + [reason], n)
+        yield failures
 
 
 class EngineMetrics:
@@ -112,6 +167,16 @@ class EngineMetrics:
         """The model's linear layers per weight format (set once, at start-up)."""
         for fmt, n in formats.items():
             self._linear_layers.labels(self._labels["model_name"], fmt).set(n)
+
+    def read_disk_tier_from(self, tier) -> None:
+        """Export a disk KV tier's counters (`service.worker.kv_disk_tier.DiskTier`) and
+        observe its load latencies in `kv_disk_load_seconds`."""
+        lab = ["model_name"]
+        load = Histogram(PREFIX + "kv_disk_load_seconds", "One disk tier load: queued to "
+                         "read and verified.", lab, buckets=_LATENCY_BUCKETS,
+                         registry=self.registry).labels(self._labels["model_name"])
+        tier.on_load_seconds = load.observe
+        self.registry.register(_DiskCollector(tier, self._labels))
 
     def read_state_from(self, reader: Callable[[], CoreStats | None]) -> None:
         """Where the scrape-time gauges come from (the engine installs its reader)."""

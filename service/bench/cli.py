@@ -6,9 +6,12 @@
     scripts/bench --max-num-seqs 8 --peer hf-static --peer hf-continuous --scale 0.25
     scripts/bench --workload one-user --peer llama-server   # one request at a time
     scripts/bench --engine-only --quantization none,int8     # no socket: ms per step
+    scripts/bench --agentic --sessions 4 --turns 4           # multi-turn sessions, disk KV tier
 
 `--engine-only` (first argument or anywhere) hands the remaining arguments to the
-engine-only benchmark (`service.bench.engine_only`, its own `--help`).
+engine-only benchmark (`service.bench.engine_only`, its own `--help`); `--agentic` the
+same way to the multi-turn agentic workload with and without the disk KV tier
+(`service.bench.agentic`).
 
 Without --url it starts `conveyor serve` itself (a subprocess on a free port) with the
 engine options given here, once per --compare value. Peers run in-process afterwards on
@@ -64,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service.bench.engine_only import main as engine_only_main
 
         return engine_only_main([x for x in argv if x != "--engine-only"])
+    if "--agentic" in argv:
+        from service.bench.agentic import main as agentic_main
+
+        return agentic_main([x for x in argv if x != "--agentic"])
     a = build_parser().parse_args(argv)
     try:
         return _bench(a, argv)

@@ -20,6 +20,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     t.add_argument("--engine-only", action="store_true",
                    help="run the engine-only benchmark instead (no socket; ms per step split "
                         "into sections); see `scripts/bench --engine-only --help`")
+    t.add_argument("--agentic", action="store_true",
+                   help="run the multi-turn agentic workload instead (in process, with and "
+                        "without the disk KV tier, and after a restart); see "
+                        "`scripts/bench --agentic --help`")
     t.add_argument("--url", help="benchmark a running server (ws://HOST:PORT/v1/stream) instead "
                                  "of starting one with the engine options below")
     t.add_argument("--compare", metavar="NAME=V1,V2,...",

@@ -48,6 +48,7 @@ class PoolStats:
 
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens read from the disk tier
     evictions: int = 0
 
 
@@ -124,11 +125,14 @@ class KVBlockPool:
             hit.append(block.block_id)
         return hit
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's prefix lookup (tokens queried, tokens hit)."""
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int,
+                            num_disk_hit_tokens: int = 0) -> None:
+        """Count one admitted request's prefix lookup (tokens queried, tokens hit, and of
+        those the tokens whose blocks the disk tier had just loaded)."""
         if self.enable_prefix_caching:
             self.stats.prefix_cache_queries += num_tokens
             self.stats.prefix_cache_hits += num_hit_tokens
+            self.stats.prefix_cache_disk_hits += num_disk_hit_tokens
 
     def num_reclaimable(self, block_ids: Sequence[int]) -> int:
         """How many of `block_ids` (a cached prefix) sit in the free queue right now."""

@@ -180,6 +180,10 @@ class CacheConfig:
     kv_watermark_high: KV usage (0..1) above which no new request starts its prefill...
     kv_watermark_low: ...until usage falls below this one.
     kv_watermark_critical: usage above which running requests are preempted to get back under.
+    kv_disk_path: a directory for the disk KV tier (full blocks as files, kept across
+        restarts and shared by engines given the same directory); None = no disk tier.
+        Needs enable_prefix_caching.
+    kv_disk_size: most bytes of block files the disk tier keeps (LRU eviction).
     """
 
     block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
@@ -197,6 +201,13 @@ class CacheConfig:
                                      metavar="FRACTION")
     kv_watermark_critical: float = option(
         0.95, "KV usage above which running requests are preempted", metavar="FRACTION")
+    kv_disk_path: str | None = option(
+        None, "directory of the disk KV tier: full blocks written behind, read ahead at "
+        "admission, kept across restarts and shared by engines on the same directory; "
+        "default: no disk tier", metavar="DIR")
+    kv_disk_size: int = option(8 * GiB, "most bytes of block files the disk KV tier keeps "
+                               "(LRU eviction), e.g. 512MiB, 20GiB", metavar="BYTES",
+                               parse=_bytes)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
@@ -208,6 +219,12 @@ class CacheConfig:
         _check(0 < self.kv_watermark_low <= self.kv_watermark_high <= self.kv_watermark_critical <= 1,
                "kv watermarks", "0 < low <= high <= critical <= 1",
                (self.kv_watermark_low, self.kv_watermark_high, self.kv_watermark_critical))
+        _check(self.kv_disk_path is None or (isinstance(self.kv_disk_path, str)
+                                             and self.kv_disk_path != ""),
+               "kv_disk_path", "None or a directory path", self.kv_disk_path)
+        _check(self.kv_disk_size >= 1, "kv_disk_size", ">= 1 bytes", self.kv_disk_size)
+        _check(self.kv_disk_path is None or self.enable_prefix_caching, "kv_disk_path",
+               "None unless enable_prefix_caching", self.kv_disk_path)
 
 
 @dataclass(frozen=True)

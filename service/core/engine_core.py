@@ -33,6 +33,7 @@ from service.core.block_pool import KVBlockPool
 from service.core.config import EngineConfig
 from service.core.fault_recovery import faulty_requests, reset_after_fault
 from service.core.kv_cache_manager import PreemptionCost
+from service.core.kv_disk import DiskTier
 from service.core.request import Request
 from service.core.runner import Runner
 from service.core.scheduler import Scheduler
@@ -75,7 +76,8 @@ class StepTimes(NamedTuple):
 
 class CoreStats(NamedTuple):
     """Counters for metrics and health: requests running and waiting, KV usage (0..1),
-    prefix cache queries and hits (tokens), preemptions, and faults survived."""
+    prefix cache queries and hits (tokens), preemptions, faults survived, and of the
+    prefix hits the tokens the disk tier had loaded (0 without one)."""
 
     running: int
     waiting: int
@@ -84,6 +86,7 @@ class CoreStats(NamedTuple):
     prefix_hits: int
     preemptions: int
     faults: int
+    prefix_disk_hits: int = 0
 
 
 class EngineCore:
@@ -94,18 +97,21 @@ class EngineCore:
         runner: anything meeting `service.core.runner.Runner`.
         cost: measured preemption rates (recompute-only without them in "auto" mode).
         clock: seconds, monotonic; request timings (first token, last token) use it.
+        disk: the disk KV tier over the runner's KV cache (`service.core.kv_disk`), or None.
     """
 
     def __init__(self, config: EngineConfig, runner: Runner, *,
                  cost: PreemptionCost | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 disk: DiskTier | None = None) -> None:
         self.config = config
         self.runner = runner
         cc = config.cache
         pool = KVBlockPool(runner.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, pool, runner.max_model_len, cache=cc,
                                    swap=SwapSpace(runner.num_swap_blocks), cost=cost,
-                                   clock=clock)
+                                   clock=clock, disk=disk)
+        self.disk = disk
         self.clock = clock
         self.max_model_len = runner.max_model_len
         self.num_steps = 0
@@ -152,7 +158,12 @@ class EngineCore:
         s, pool = self.scheduler, self.scheduler.pool
         return CoreStats(len(s.running), len(s.waiting), pool.usage,
                          pool.stats.prefix_cache_queries, pool.stats.prefix_cache_hits,
-                         s.num_preemptions, self.num_faults)
+                         s.num_preemptions, self.num_faults, pool.stats.prefix_cache_disk_hits)
+
+    def flush_disk_saves(self) -> None:
+        """Hand the disk tier the blocks of requests that ended since the last step (the
+        engine calls it before closing, so a cancel's blocks are not lost)."""
+        self.scheduler.flush_disk_saves()
 
     def check_integrity(self) -> None:
         """Pool, swap space and block tables agree (call when idle: nothing may leak)."""
@@ -163,6 +174,11 @@ class EngineCore:
         """One iteration: schedule, run the forward, append sampled tokens, check stops,
         finish. Returns this step's outputs (new tokens and ends); [] when nothing ran.
         Never raises for a fault of one request (see the module docstring)."""
+        outputs = self._step()
+        self.scheduler.flush_disk_saves()  # the blocks of requests that ended, written behind
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         try:
             out = self.scheduler.schedule()

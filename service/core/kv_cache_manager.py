@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core.block_pool import KVBlockPool
+from service.core.disk_prefix import DiskPrefix
+from service.core.kv_disk import DiskTier
 from service.core.request import Request, RequestStatus
 from service.core.swap_space import SwapSpace
 
@@ -51,15 +53,20 @@ class KVCacheManager:
         pool: the device block pool. swap: CPU swap space, None disables swapping.
         preemption_mode: "swap", "recompute" or "auto" (the cost model decides).
         cost: measured rates for "auto" (recompute when None).
+        disk: the disk KV tier (`service.core.kv_disk`), None when off; it needs prefix
+            caching (without it no block is ever saved or loaded).
     """
 
     def __init__(self, pool: KVBlockPool, swap: SwapSpace | None, preemption_mode: str,
-                 cost: PreemptionCost | None) -> None:
+                 cost: PreemptionCost | None, disk: DiskTier | None = None) -> None:
         self.pool = pool
         self.swap = swap
         self.preemption_mode = preemption_mode
         self.cost = cost
         self.block_size = pool.block_size
+        self.disk: DiskPrefix | None = (DiskPrefix(disk, pool)
+                                        if disk is not None and pool.enable_prefix_caching
+                                        else None)
 
     # ---- starting and growing --------------------------------------------------------
     def start(self, req: Request, budget: int, max_usage: float | None) -> bool:
@@ -80,9 +87,15 @@ class KVCacheManager:
         req.block_ids = cached + self.pool.allocate(need)
         req.num_computed_tokens = num_cached
         req.num_registered_blocks = len(cached)
-        self.pool.record_prefix_query(len(tokens), num_cached)
+        disk_tokens = 0
+        if req.disk_block_range is not None:  # blocks the disk tier just loaded
+            lo, hi = req.disk_block_range
+            disk_tokens = max(0, min(len(cached), hi) - lo) * self.block_size
+            req.disk_block_range = None
+        self.pool.record_prefix_query(len(tokens), num_cached, disk_tokens)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
+            req.num_disk_cached_tokens = disk_tokens
         return True
 
     def swap_in(self, req: Request, budget: int, max_usage: float | None, ops: BlockOps) -> bool:
@@ -148,6 +161,10 @@ class KVCacheManager:
             req.cpu_block_ids = cpu
             req.status = RequestStatus.SWAPPED
         else:
+            if self.disk is not None:  # its KV may come back from disk on resume
+                self.disk.note_blocks(req)
+                self.disk.flush()  # now: this schedule() may reuse the blocks at once
+                req.disk_checked = False
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
         self.pool.free(req.block_ids)
@@ -164,8 +181,14 @@ class KVCacheManager:
         return self.cost is not None and self.cost.prefer_swap(len(req.block_ids),
                                                                req.num_computed_tokens)
 
-    def free(self, req: Request) -> None:
-        """Return every device and CPU block of `req`."""
+    def free(self, req: Request, save: bool = False) -> None:
+        """Return every device and CPU block of `req`. save: note its computed full blocks
+        for the disk tier first (a request that ended well; never one that failed, whose
+        last chunk's K/V may not have been written)."""
+        if self.disk is not None:
+            self.disk.forget(req)
+            if save:
+                self.disk.note_blocks(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         if req.cpu_block_ids:
@@ -180,8 +203,12 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching or (
                 req.params.prompt_logprobs is not None and not req.output_token_ids):
             return []
+        return self.pool.find_cached_prefix(tokens, self.full_block_hashes(req, tokens))
+
+    def full_block_hashes(self, req: Request, tokens: list[int]) -> list[int]:
+        """req.block_hashes extended over every full block of `tokens` (its tokens)."""
         self._extend_hashes(req, tokens, len(tokens) // self.block_size)
-        return self.pool.find_cached_prefix(tokens, req.block_hashes)
+        return req.block_hashes
 
     def _extend_hashes(self, req: Request, tokens: list[int], num_full: int) -> None:
         have = len(req.block_hashes)

@@ -33,12 +33,15 @@ from service.core.batching import BatchFormer
 from service.core.block_pool import KVBlockPool
 from service.core.config import CacheConfig, SchedulerConfig
 from service.core.kv_cache_manager import BlockOps, KVCacheManager, PreemptionCost
+from service.core.kv_disk import DiskTier
 from service.core.policy import Policy, make_policy
 from service.core.request import Request, RequestStatus
 from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from service.core.swap_space import SwapSpace
 
 __all__ = ["PreemptionCost", "Scheduler"]
+
+DISK_POLL_S = 0.002  # how often an idle step loop looks for finished disk loads
 
 
 @dataclass
@@ -65,15 +68,18 @@ class Scheduler:
         swap: CPU swap space; None disables swapping.
         cost: measured rates for preemption_mode "auto" (recompute when None).
         clock: seconds, monotonic (tests pass a fake one).
+        disk: the disk KV tier (read-ahead and write-behind, `service.core.disk_prefix`);
+            None when off.
     """
 
     def __init__(self, config: SchedulerConfig, pool: KVBlockPool, max_model_len: int, *,
                  cache: CacheConfig | None = None, swap: SwapSpace | None = None,
                  cost: PreemptionCost | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 disk: DiskTier | None = None) -> None:
         self.config = config
         self.pool = pool
-        self.kv = KVCacheManager(pool, swap, config.preemption_mode, cost)
+        self.kv = KVCacheManager(pool, swap, config.preemption_mode, cost, disk)
         self.max_model_len = max_model_len
         self.cache = cache or CacheConfig()
         self.clock = clock
@@ -114,7 +120,7 @@ class Scheduler:
         if req is None:
             return None
         (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
-        self.kv.free(req)
+        self.kv.free(req, save=reason != "error" and req.status is RequestStatus.RUNNING)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.batching.discard(request_id)
@@ -129,8 +135,19 @@ class Scheduler:
 
     def idle_until(self) -> float | None:
         """When an empty step could turn non-empty without new input (a dynamic batch's
-        queue delay running out), in clock seconds; None when only new input can."""
-        return self.batching.idle_until(self.waiting)
+        queue delay running out, or a disk load finishing: polled every 2 ms), in clock
+        seconds; None when only new input can."""
+        due = self.batching.idle_until(self.waiting)
+        if self.kv.disk is not None and self.kv.disk.has_loads():
+            soon = self.clock() + DISK_POLL_S
+            due = soon if due is None else min(due, soon)
+        return due
+
+    def flush_disk_saves(self) -> None:
+        """Hand the blocks of requests that ended to the disk tier (EngineCore calls it at
+        the end of each step, before a later allocation can reuse them)."""
+        if self.kv.disk is not None:
+            self.kv.disk.flush()
 
     # ---- one step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -145,6 +162,10 @@ class Scheduler:
         """
         now = self.clock()
         st = self._step = _Step(self.config.max_num_batched_tokens)
+        disk = self.kv.disk
+        if disk is not None:  # before any allocation: ended requests' blocks, then loads
+            disk.flush()
+            disk.poll(self.cache.kv_watermark_high)
         self._relieve_critical(st, now)
         self._preempt_for_priority(st, now)
         self._schedule_running(st, now)
@@ -155,6 +176,8 @@ class Scheduler:
             self.admitting = True
         if not st.short_of_blocks:
             candidates = self._admission_candidates(now)
+            if candidates and disk is not None and self.admitting:
+                disk.start_loads(candidates, self.kv.full_block_hashes)
             if candidates:
                 self._schedule_waiting(candidates, st, now)
         self.num_schedule_calls += 1
@@ -236,6 +259,8 @@ class Scheduler:
                 return
             if req.status is RequestStatus.WAITING and not self.admitting:
                 return  # above the high watermark: no new prefill until below the low one
+            if req.disk_loading:
+                continue  # its prefix is being read from disk: the others go meanwhile
             # A resumed request may not push usage over the high watermark (unless it runs
             # alone), so critical-watermark preemption cannot thrash with resumption.
             cap = self.cache.kv_watermark_high if self.running else None
@@ -259,12 +284,15 @@ class Scheduler:
 
         Returns (the requests that got a new token, in schedule order; request id ->
         error for those whose update raised: the caller fails them, the rest go on).
-        Full blocks computed this step enter the prefix cache. Requests finished
+        Full blocks computed this step enter the prefix cache (and, once a prompt is
+        done, the disk tier's write queue: a long-running request's prompt is on disk
+        before it ends). Requests finished
         meanwhile (a cancel that raced the step) are skipped.
         """
         got: list[Request] = []
         failed: dict[str, str] = {}
         requests, bs, running = self.requests, self.pool.block_size, RequestStatus.RUNNING
+        disk = self.kv.disk
         for seq in output.sequences:
             req = requests.get(seq.request_id)
             if req is None or req.status is not running:
@@ -275,6 +303,8 @@ class Scheduler:
                     self.kv.cache_full_blocks(req)
                 token = sampled.get(seq.request_id)
                 if token is not None:
+                    if not req.output_token_ids and disk is not None:
+                        disk.note_blocks(req)  # its prompt is in: write it behind now
                     req.output_token_ids.append(token)
                     got.append(req)
             except Exception as e:  # noqa: BLE001 -- pinned on this request only

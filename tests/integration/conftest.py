@@ -15,7 +15,8 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   max_waiting_requests: int = 1024, preemption_mode: str = "auto",
                   swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
                   scheduling_policy: str = "fcfs", batching: str = "continuous",
-                  quantization: str | None = "auto") -> EngineConfig:
+                  quantization: str | None = "auto", kv_disk_path: str | None = None,
+                  kv_disk_size: int = 1 << 30) -> EngineConfig:
     from service.config import ModelConfig
 
     return EngineConfig(
@@ -23,7 +24,8 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
                           kv_watermark_low=watermarks[0], kv_watermark_high=watermarks[1],
-                          kv_watermark_critical=watermarks[2]),
+                          kv_watermark_critical=watermarks[2], kv_disk_path=kv_disk_path,
+                          kv_disk_size=kv_disk_size),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_waiting_requests=max_waiting_requests,

@@ -1,0 +1,168 @@
+"""The disk tier as the scheduler sees it: read-ahead of prefix blocks and write-behind
+of finished requests' blocks (pure and synchronous; the tier does the I/O off-thread).
+
+Read-ahead, for a waiting request (new, or preempted for recompute), once:
+
+    prompt blocks  [ pool hit: 0..p | on disk: p..p+k | computed: p+k.. ]
+    1. start_loads(): p = the pool's cached prefix, k = the disk's leading hits after it
+       (never the block holding the last prompt token: one token is always computed);
+       the tier reads the k blocks in its loader thread; the request waits, others run.
+    2. poll() (a later schedule()): k' <= k blocks were read and verified; k' fresh pool
+       blocks are allocated, filled (`DiskTier.install`), registered in the prefix cache
+       under the request's chained hashes and freed again (cached-free, MRU end).
+    3. The request starts as usual (`KVCacheManager.start`): its pool prefix now spans
+       p + k' blocks; only the rest is prefilled.
+A load that fails (a bad or missing file) stops at that block: the rest is computed.
+If the pool evicted some of blocks 0..p meanwhile, the load is dropped and the request
+is looked up again from its shorter pool hit. A hit is confirmed token by token in the
+pool as always: at worst a smaller hit, never wrong KV.
+
+Write-behind: when a request's prompt is done (its first token sampled), when it ends,
+and when it is preempted for recompute, its computed full blocks are noted; `flush()` hands them to `DiskTier.save` before the next allocation
+can reuse their blocks (end of step() and start of schedule()), which copies their K/V
+out at once and writes them behind.
+"""
+
+from __future__ import annotations
+
+from service.core.block_pool import KVBlockPool
+from service.core.kv_digest import block_digests
+from service.core.kv_disk import DiskBlock, DiskTier
+from service.core.request import Request, RequestStatus
+
+__all__ = ["DiskPrefix"]
+
+
+class DiskPrefix:
+    """Args:
+        tier: the disk tier. pool: the device block pool.
+        max_loads: most requests loading at once (each holds a staging copy).
+    """
+
+    def __init__(self, tier: DiskTier, pool: KVBlockPool, max_loads: int = 4) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.max_loads = max_loads
+        self.block_size = pool.block_size
+        self.loading: dict[str, tuple[Request, int]] = {}  # request id -> (request, p)
+        self._pending: list[DiskBlock] = []
+        self.num_loaded_blocks = 0     # installed in the pool
+        self.num_unplaced_blocks = 0   # read, but no free pool block to put them in
+
+    # ---- digests -----------------------------------------------------------------------
+    def digests(self, req: Request, num_full: int) -> list[bytes]:
+        """req.disk_digests extended to its first `num_full` full blocks."""
+        have = len(req.disk_digests)
+        if num_full > have:
+            tokens = req.token_slice(0, num_full * self.block_size)
+            parent = req.disk_digests[-1] if have else None
+            req.disk_digests.extend(block_digests(self.tier.root, tokens, self.block_size,
+                                                  have, parent))
+        return req.disk_digests
+
+    # ---- read-ahead ----------------------------------------------------------------------
+    def start_loads(self, candidates: list[Request], pool_hashes) -> None:
+        """Look the first not-yet-checked candidates up on disk and queue their loads.
+
+        pool_hashes(req, tokens) -> req.block_hashes extended over its full blocks (the
+        KVCacheManager's). Each request is checked once per wait (a preemption resets it).
+        """
+        if not self.tier.enabled:
+            return
+        bs = self.block_size
+        for req in candidates:
+            if len(self.loading) >= self.max_loads:
+                return
+            if req.disk_checked or req.status not in (RequestStatus.WAITING,
+                                                      RequestStatus.PREEMPTED):
+                continue
+            req.disk_checked = True
+            tokens = req.all_token_ids
+            limit = (len(tokens) - 1) // bs  # the last token's block is always computed
+            if limit == 0:
+                continue
+            hashes = pool_hashes(req, tokens)
+            p = len(self.pool.find_cached_prefix(tokens, hashes))
+            if p >= limit:
+                continue
+            digests = self.digests(req, limit)
+            k = self.tier.lookup(digests[p:limit])
+            if k == 0:
+                continue
+            expected = [tuple(tokens[b * bs:(b + 1) * bs]) for b in range(p, p + k)]
+            if self.tier.load(req.request_id, digests[p:p + k], expected):
+                req.disk_loading = True
+                self.loading[req.request_id] = (req, p)
+
+    def poll(self, max_usage: float = 1.0) -> None:
+        """Put finished loads into pool blocks (see the module docstring, step 2), unless
+        that would push pool usage over `max_usage` (0..1; then the load is dropped)."""
+        for result in self.tier.poll():
+            entry = self.loading.pop(result.key, None)
+            if entry is None:
+                self.tier.discard(result)
+                continue
+            req, p = entry
+            req.disk_loading = False
+            k = result.num_blocks
+            if k == 0 or req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.tier.discard(result)
+                continue
+            tokens = req.all_token_ids
+            prefix = self.pool.find_cached_prefix(tokens, req.block_hashes)
+            if len(prefix) < p:
+                # the pool evicted some of blocks 0..p meanwhile: the chain would break
+                # there, so look again (the next lookup starts at the shorter pool hit, and
+                # the gap can only shrink to 0: at most p retries)
+                req.disk_checked = False
+                self.num_unplaced_blocks += k
+                self.tier.discard(result)
+                continue
+            prefix = prefix[:p]
+            self.pool.take_cached(prefix)  # so allocating cannot evict them
+            fits = self.pool.can_allocate(k) and \
+                1.0 - (self.pool.num_free_blocks - k) / self.pool.num_blocks <= max_usage
+            blocks = self.pool.allocate(k) if fits else []
+            if not blocks:
+                self.pool.free(prefix)
+                self.num_unplaced_blocks += k
+                self.tier.discard(result)
+                continue
+            self.tier.install(result, blocks)
+            bs = self.block_size
+            for i, b in enumerate(blocks):
+                j = p + i
+                self.pool.cache_block(b, req.block_hashes[j], tokens[j * bs:(j + 1) * bs])
+            self.pool.free(prefix + blocks)  # cached-free; the last block is evicted first
+            self.num_loaded_blocks += k
+            req.disk_block_range = (p, p + k)
+
+    def forget(self, req: Request) -> None:
+        """`req` ended or left the waiting set: its load, if any, is dropped on arrival."""
+        if self.loading.pop(req.request_id, None) is not None:
+            req.disk_loading = False
+
+    def has_loads(self) -> bool:
+        return bool(self.loading)
+
+    # ---- write-behind --------------------------------------------------------------------
+    def note_blocks(self, req: Request) -> None:
+        """Remember `req`'s computed full blocks for the next flush (call before its blocks
+        are freed: their K/V stays intact until a later allocation reuses them)."""
+        if not self.tier.enabled or not req.block_ids:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if num_full == 0:
+            return
+        digests = self.digests(req, num_full)
+        for b in range(num_full):
+            self._pending.append(DiskBlock(digests[b], tuple(req.token_slice(b * bs, (b + 1) * bs)),
+                                           req.block_ids[b]))
+
+    def flush(self) -> None:
+        """Hand the noted blocks to the tier (it copies their K/V out now)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            if self.tier.enabled:
+                self.tier.save(pending)

@@ -1,0 +1,380 @@
+"""The disk KV tier: full blocks in files under `--kv-disk-path`, written behind and read
+ahead in background threads (`service.core.kv_disk.DiskTier` is the contract).
+
+    DIR/<fingerprint hex>/fingerprint.json     what the fingerprint stands for
+    DIR/<fingerprint hex>/<d[:2]>/<d>.kvb      one block (service.worker.kv_block_file)
+
+Threads: the step thread calls lookup / save / load / poll / install, each returning at
+once; one writer thread writes queued blocks, one loader thread reads and verifies
+loads. `save` copies the blocks' K/V out of the pool into a staging tensor right away
+(a memcpy, [L, 2, n, block_size, Hkv, D]), so the pool may reuse the blocks at once;
+the staging bytes in flight are bounded by `queue_bytes`, beyond which blocks are
+dropped and counted, never waited for. A finished load's blocks stay in a staging
+tensor ([k, L, 2, block_size, Hkv, D]) until `install` copies them into pool blocks on
+the step thread, so no thread but the step thread ever writes the KV cache.
+
+Failures: a missing file (evicted, perhaps by another replica) or one that fails
+verification is a miss, counted by reason and logged (a bad file is deleted); any
+other OSError (disk full, I/O error, permissions) turns the tier off with one error
+line, and serving goes on without it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.core.kv_disk import DiskBlock, LoadResult
+from service.core.kv_disk_index import DiskIndex
+from service.worker.kv_block_file import (BlockFileError, file_nbytes, read_block_file_into,
+                                          write_block_file)
+from service.worker.kv_fingerprint import fingerprint_digest, kv_fingerprint_fields
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiskTier", "DiskTierStats", "open_disk_tier"]
+
+SUFFIX = ".kvb"
+STALE_TMP_S = 600.0  # a temporary file this old is a crashed writer's: deleted at start-up
+
+
+@dataclass
+class DiskTierStats:
+    """Counters (blocks, bytes) since start-up; read_failures by reason ("missing", and
+    BlockFileError's reasons: "truncated", "checksum", "fingerprint", ...)."""
+
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0
+    writes_dropped: int = 0      # the write queue was full
+    blocks_evicted: int = 0
+    bad_files_at_start: int = 0  # wrong size, deleted by the start-up scan
+    read_failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _WriteJob:
+    blocks: list[DiskBlock]
+    staging: torch.Tensor  # [L, 2, n, block_size, Hkv, D], CPU
+    nbytes: int
+
+
+class DiskTier:
+    """Block files of one KV fingerprint under `path`, LRU-bounded to `capacity_bytes`.
+
+    Args:
+        path: the tier's directory (shared by every engine given it; created if missing).
+        capacity_bytes: most bytes of block files this engine keeps (LRU eviction).
+        fields: the KV fingerprint's fields (`service.worker.kv_fingerprint`).
+        kv_caches: the pool's KV tensors, one per layer, [2, num_blocks, block_size, Hkv, D].
+        queue_bytes: most K/V bytes waiting to be written (beyond it saves are dropped).
+        max_loads: most loads queued or running.
+    Raises OSError when the directory cannot be created or read.
+    """
+
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fields: dict[str, Any],
+                 kv_caches: Sequence[torch.Tensor], *, queue_bytes: int = 256 << 20,
+                 max_loads: int = 4) -> None:
+        self.root = fingerprint_digest(fields)
+        self.dir = Path(path) / self.root.hex()
+        self.kv_caches = list(kv_caches)
+        _, _, bs, hkv, d = self.kv_caches[0].shape
+        self.block_size = bs
+        self.dtype = self.kv_caches[0].dtype
+        self.block_shape = (len(self.kv_caches), 2, bs, hkv, d)
+        self.payload_nbytes = len(self.kv_caches) * 2 * bs * hkv * d * self.dtype.itemsize
+        self.file_nbytes = file_nbytes(bs, self.payload_nbytes)
+        self.index = DiskIndex(capacity_bytes)
+        self.stats = DiskTierStats()
+        self.enabled = True
+        self._closed = False
+        self.on_load_seconds: Callable[[float], None] | None = None  # the metrics' histogram
+        self.queue_bytes = queue_bytes
+        self.max_loads = max_loads
+        self._lock = threading.Lock()
+        self._queued: set[bytes] = set()  # digests waiting in the write queue
+        self._inflight_bytes = 0
+        self._loads_inflight = 0
+        self._write_q: queue.SimpleQueue[_WriteJob | None] = queue.SimpleQueue()
+        self._load_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._done: collections.deque[LoadResult] = collections.deque()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "fingerprint.json").write_text(json.dumps(fields, indent=1, default=str))
+        self._scan()
+        self._writer = threading.Thread(target=self._write_loop, name="conveyor-kv-disk-writer",
+                                        daemon=True)
+        self._loader = threading.Thread(target=self._load_loop, name="conveyor-kv-disk-loader",
+                                        daemon=True)
+        self._writer.start()
+        self._loader.start()
+        log.info("kv disk tier at %s: %d blocks, %.1f MiB of %.1f MiB", self.dir,
+                 len(self.index), self.index.total_bytes / 2**20, capacity_bytes / 2**20)
+
+    # ---- files -------------------------------------------------------------------------
+    def path_of(self, digest: bytes) -> Path:
+        h = digest.hex()
+        return self.dir / h[:2] / (h + SUFFIX)
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files (oldest modification first = LRU first)."""
+        found: list[tuple[int, bytes, int]] = []
+        now = time.time()
+        for sub in self.dir.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                try:
+                    st = entry.stat()
+                    if name.startswith("."):
+                        if name.endswith(".tmp") and now - st.st_mtime > STALE_TMP_S:
+                            os.unlink(entry.path)
+                        continue
+                    if not name.endswith(SUFFIX):
+                        continue
+                    digest = bytes.fromhex(name[:-len(SUFFIX)])
+                    if st.st_size != self.file_nbytes:
+                        os.unlink(entry.path)
+                        self.stats.bad_files_at_start += 1
+                        continue
+                except (OSError, ValueError):
+                    continue  # gone meanwhile (another replica) or not ours
+                found.append((st.st_mtime_ns, digest, st.st_size))
+        for _, digest, size in sorted(found):
+            self.index.add(digest, size)
+        if self.stats.bad_files_at_start:
+            log.warning("kv disk tier: deleted %d block files of the wrong size",
+                        self.stats.bad_files_at_start)
+        self._evict(self.index.make_room(0) or [])
+
+    def _evict(self, digests: list[bytes]) -> None:
+        for d in digests:
+            try:
+                os.unlink(self.path_of(d))
+            except FileNotFoundError:
+                pass
+            self.stats.blocks_evicted += 1
+
+    def _turn_off(self, what: str, error: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.error("kv disk tier off after a %s error (serving goes on without it): %s",
+                      what, error)
+
+    # ---- the step thread's calls ---------------------------------------------------------
+    def lookup(self, digests: Sequence[bytes]) -> int:
+        """Leading digests held: the index first, then one stat per block past it (another
+        engine on the same directory may have written it since start-up)."""
+        if not self.enabled:
+            return 0
+        n = self.index.leading_hits(digests)
+        while n < len(digests):
+            try:
+                size = os.stat(self.path_of(digests[n])).st_size
+            except OSError:
+                break
+            if size != self.file_nbytes:
+                break
+            self.index.add(digests[n], size)
+            n += 1
+        return n
+
+    def save(self, blocks: Sequence[DiskBlock]) -> None:
+        """Copy the blocks' K/V out now and queue their write (see the module docstring)."""
+        if not self.enabled or self._closed:
+            return
+        todo: list[DiskBlock] = []
+        seen: set[bytes] = set()
+        with self._lock:
+            room = (self.queue_bytes - self._inflight_bytes) // self.payload_nbytes
+            for b in blocks:
+                d = b.digest
+                if d in seen or d in self._queued or d in self.index:
+                    continue
+                seen.add(d)
+                if len(todo) >= room:
+                    self.stats.writes_dropped += 1
+                    continue
+                todo.append(b)
+            nbytes = len(todo) * self.payload_nbytes
+            self._inflight_bytes += nbytes
+            self._queued.update(b.digest for b in todo)
+        if not todo:
+            return
+        first = self.kv_caches[0]
+        ids = torch.tensor([b.block_id for b in todo], device=first.device)
+        # [L, 2, n, block_size, Hkv, D]: one copy of each block, gathered on its device
+        staging = torch.empty((len(self.kv_caches), 2, len(todo)) + tuple(first.shape[2:]),
+                              dtype=first.dtype, device=first.device)
+        for layer, kv in enumerate(self.kv_caches):
+            torch.index_select(kv, 1, ids, out=staging[layer])
+        self._write_q.put(_WriteJob(todo, staging.to("cpu"), nbytes))
+
+    def load(self, key: str, digests: Sequence[bytes],
+             token_ids: Sequence[tuple[int, ...]]) -> bool:
+        if not self.enabled or self._closed or not digests:
+            return False
+        with self._lock:
+            if self._loads_inflight >= self.max_loads:
+                return False
+            self._loads_inflight += 1
+        self._load_q.put((key, list(digests), list(token_ids), time.perf_counter()))
+        return True
+
+    def poll(self) -> list[LoadResult]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def install(self, result: LoadResult, block_ids: Sequence[int]) -> None:
+        """Copy the load's first len(block_ids) blocks into those pool blocks, every layer."""
+        staging: torch.Tensor = result.payload  # [k, L, 2, block_size, Hkv, D]
+        n = len(block_ids)
+        assert staging is not None and n <= staging.shape[0], "installing more than was read"
+        dev = self.kv_caches[0].device
+        ids = torch.tensor(list(block_ids), device=dev)
+        for layer, kv in enumerate(self.kv_caches):
+            # [n, 2, bs, Hkv, D] -> [2, n, bs, Hkv, D], the cache's block axis second
+            kv[:, ids] = staging[:n, layer].transpose(0, 1).to(dev)
+
+    def discard(self, result: LoadResult) -> None:
+        """Nothing to free but the staging tensor, which the result holds."""
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Finish the queued writes (at most `timeout_s`), stop both threads and let go of
+        the KV cache (saves and loads are no-ops afterwards). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._write_q.put(None)
+        self._load_q.put(None)
+        self._writer.join(timeout_s)
+        self._loader.join(5.0)
+        if self._writer.is_alive():
+            log.warning("kv disk tier: writes still queued after %.0f s at close", timeout_s)
+        self.kv_caches = []  # the runner's release() may free them now
+
+    # ---- the writer thread --------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            job = self._write_q.get()
+            if job is None:
+                return
+            try:
+                if self.enabled:
+                    self._write(job)
+            except OSError as e:
+                self._turn_off("write", e)
+            except Exception:  # noqa: BLE001 -- a bug here must not kill the thread silently
+                log.exception("kv disk tier: write failed")
+            finally:
+                with self._lock:
+                    self._queued.difference_update(b.digest for b in job.blocks)
+                    self._inflight_bytes -= job.nbytes
+
+    def _write(self, job: _WriteJob) -> None:
+        for i, block in enumerate(job.blocks):
+            if not self.enabled:
+                return
+            victims = self.index.make_room(self.file_nbytes)
+            if victims is None:  # a single block is larger than the whole tier
+                return
+            self._evict(victims)
+            payload = job.staging[:, :, i].contiguous()  # [L, 2, block_size, Hkv, D]
+            path = self.path_of(block.digest)
+            path.parent.mkdir(exist_ok=True)
+            size = write_block_file(path, self.root, block.digest, block.token_ids,
+                                    payload.view(torch.uint8).numpy().data)
+            self.index.add(block.digest, size)
+            self.stats.blocks_written += 1
+            self.stats.bytes_written += size
+
+    # ---- the loader thread --------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while True:
+            job = self._load_q.get()
+            if job is None:
+                return
+            key, digests, token_ids, t0 = job
+            staging = None
+            try:
+                staging = self._read(digests, token_ids)
+            except Exception:  # noqa: BLE001 -- a bug here must not kill the thread silently
+                log.exception("kv disk tier: load failed")
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self._loads_inflight -= 1
+            n = 0 if staging is None else staging.shape[0]
+            self._done.append(LoadResult(key, n, seconds, staging))
+            if self.on_load_seconds is not None:
+                self.on_load_seconds(seconds)
+
+    def _read(self, digests: list[bytes], token_ids: list[tuple[int, ...]]
+              ) -> torch.Tensor | None:
+        """Read and verify blocks in order straight into one staging tensor
+        [k, L, 2, block_size, Hkv, D], stopping at the first miss; None when the first
+        block fails (the tensor is cut to the blocks that passed)."""
+        staging = torch.empty((len(digests),) + self.block_shape, dtype=self.dtype)
+        raw = staging.view(torch.uint8).view(len(digests), -1).numpy()  # [k, bytes]
+        n = 0
+        for digest, tokens in zip(digests, token_ids):
+            if not self.enabled:
+                break
+            path = self.path_of(digest)
+            try:
+                read_block_file_into(path, self.root, digest, tokens, memoryview(raw[n]))
+            except FileNotFoundError:
+                self._miss(digest, "missing", f"{path}: no such block file")
+                break
+            except BlockFileError as e:
+                self._miss(digest, e.reason, str(e))
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                break
+            except OSError as e:
+                self._turn_off("read", e)
+                break
+            self.index.touch(digest)
+            try:
+                os.utime(path)  # recency survives a restart (the scan orders by mtime)
+            except OSError:
+                pass
+            n += 1
+            self.stats.blocks_read += 1
+            self.stats.bytes_read += self.file_nbytes
+        return staging[:n] if n else None
+
+    def _miss(self, digest: bytes, reason: str, message: str) -> None:
+        self.index.discard(digest)
+        with self._lock:
+            self.stats.read_failures[reason] = self.stats.read_failures.get(reason, 0) + 1
+        if reason == "missing":
+            log.info("kv disk tier miss: %s", message)
+        else:
+            log.warning("kv disk tier: %s; served as a miss (recomputed)", message)
+
+
+def open_disk_tier(config: Any, runner: Any) -> DiskTier:
+    """The tier `config.cache.kv_disk_path` / `kv_disk_size` ask for, over a ModelRunner's
+    KV cache. Raises OSError when the directory cannot be used."""
+    from service.worker.loader import default_model_path
+
+    model_path = runner.loaded.gguf_path or config.model.model or default_model_path()
+    fields = kv_fingerprint_fields(runner, model_path)
+    return DiskTier(config.cache.kv_disk_path, config.cache.kv_disk_size, fields,
+                    runner.kv_caches)

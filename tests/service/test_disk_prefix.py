@@ -1,0 +1,208 @@
+"""Write-behind and read-ahead through the scheduler (service.core.disk_prefix) on a
+NullRunner and an in-memory disk tier: exact block ids, a loading request waits while
+others run, failed and partial loads, aborts during a load, and the pool's invariants."""
+
+from __future__ import annotations
+
+from protocol import SamplingParams
+from service.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from service.core.engine_core import EngineCore
+from service.core.kv_digest import block_digests
+from service.core.null_runner import NullRunner
+from service.core.request import Request
+from tests.support.fake_disk_tier import FakeDiskTier
+
+BS = 4
+A_PROMPT = list(range(1, 11))  # 10 tokens; A generates 100, 101, 102
+
+
+def make(tier: FakeDiskTier, num_blocks: int = 64) -> EngineCore:
+    runner = NullRunner(num_blocks, max_model_len=512, token_fn=lambda rid, pos: 100 + pos)
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=BS, kv_watermark_low=1.0, kv_watermark_high=1.0,
+                          kv_watermark_critical=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                                  preemption_mode="recompute"))
+    return EngineCore(cfg, runner, disk=tier)
+
+
+def req(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def step(core: EngineCore) -> list:
+    out = core.step()
+    core.check_integrity()
+    return out
+
+
+def finish_a(core: EngineCore, tier: FakeDiskTier) -> None:
+    core.add_request(req("A", A_PROMPT, 3))
+    while core.has_unfinished():
+        step(core)
+    core.scheduler.pool.reset_prefix_cache()  # as after eviction, or a restart
+
+
+def test_finished_request_blocks_are_saved_with_exact_ids_and_tokens():
+    tier = FakeDiskTier()
+    core = make(tier)
+    finish_a(core, tier)
+    # 10 prompt tokens + 2 outputs have K/V (the third output was never run): 3 full blocks
+    tokens = A_PROMPT + [100, 101]
+    digests = block_digests(tier.root, tokens, BS)
+    # once its prompt is done (first token), then all of them when it ends (the tier skips
+    # what it already holds)
+    prompt_done, ended = tier.save_calls
+    expected = [(digests[0], (1, 2, 3, 4), 0), (digests[1], (5, 6, 7, 8), 1),
+                (digests[2], (9, 10, 100, 101), 2)]
+    assert [(b.digest, b.token_ids, b.block_id) for b in prompt_done] == expected[:2]
+    assert [(b.digest, b.token_ids, b.block_id) for b in ended] == expected
+
+
+def test_a_loading_request_waits_while_others_run_then_starts_from_its_disk_prefix():
+    tier = FakeDiskTier()
+    core = make(tier)
+    finish_a(core, tier)
+    runner = core.runner
+    calls_before = len(runner.calls)
+    b_prompt = A_PROMPT + [100, 101, 7, 8, 9]  # 15 tokens: 3 full blocks on disk
+    core.add_request(req("B", b_prompt, 2))
+    core.add_request(req("C", [1000, 1001, 1002, 1003, 1004], 2))
+    step(core)
+    assert list(tier.loads) == ["B"] and len(tier.loads["B"][0]) == 3
+    assert runner.calls[calls_before:] == [["C"]]  # B waits on its load, C runs
+    step(core)
+    assert runner.calls[calls_before:] == [["C"], ["C"]]
+    assert core.scheduler.idle_until() is not None  # the idle loop polls for the load
+    tier.complete("B")
+    step(core)
+    assert tier.installs == [("B", [5, 6, 7])]
+    b = core.get_request("B")
+    assert b.block_ids == [5, 6, 7, 8] and b.num_cached_tokens == 12
+    assert b.num_disk_cached_tokens == 12
+    assert runner.calls[-1] == ["B"]
+    stats = core.stats()
+    assert stats.prefix_disk_hits == 12 and stats.prefix_hits == 12
+    while core.has_unfinished():
+        step(core)
+    assert core.scheduler.pool.usage == 0.0
+
+
+def test_a_failed_or_partial_load_recomputes_the_rest():
+    for n, cached in ((0, 0), (2, 8)):
+        tier = FakeDiskTier()
+        core = make(tier)
+        finish_a(core, tier)
+        b = req("B", A_PROMPT + [100, 101, 7], 1)
+        core.add_request(b)
+        step(core)
+        tier.complete("B", n)
+        step(core)
+        assert b.num_cached_tokens == cached and b.num_disk_cached_tokens == cached
+        if n == 0:
+            assert tier.discarded == ["B"] and tier.installs == []
+        while core.has_unfinished():
+            step(core)
+
+
+def test_abort_during_a_load_drops_its_result_and_leaks_nothing():
+    tier = FakeDiskTier()
+    core = make(tier)
+    finish_a(core, tier)
+    core.add_request(req("B", A_PROMPT + [100, 101, 7], 1))
+    step(core)
+    assert "B" in tier.loads
+    core.abort("B")
+    tier.complete("B")
+    step(core)
+    assert tier.discarded == ["B"] and tier.installs == []
+    assert not core.has_unfinished() and core.scheduler.pool.usage == 0.0
+    assert core.scheduler.idle_until() is None
+
+
+def test_a_request_that_fails_is_not_saved():
+    tier = FakeDiskTier()
+    core = make(tier)
+    core.add_request(req("A", list(range(1, 21)), 5))  # 20 tokens: a 16-token chunk first
+    step(core)
+    assert core.get_request("A").num_computed_tokens == 16
+    core.finish_request("A", "error", "boom")  # its 4 full blocks are never saved
+    step(core)
+    assert tier.save_calls == []
+    core.add_request(req("D", A_PROMPT, 1))
+    core.finish_request("D", "cancelled")  # never ran: nothing computed, nothing saved
+    step(core)
+    assert tier.save_calls == []
+
+
+def test_a_disabled_tier_is_never_asked():
+    tier = FakeDiskTier()
+    core = make(tier)
+    finish_a(core, tier)
+    tier.enabled = False
+    core.add_request(req("B", A_PROMPT + [100, 101, 7], 1))
+    step(core)
+    assert tier.loads == {} and core.runner.calls[-1] == ["B"]  # ran at once, no load
+    assert not core.has_unfinished()
+
+
+def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=8)  # 32 tokens: A and B cannot both reach 20
+    a, b = req("A", list(range(1, 9)), 12), req("B", list(range(50, 58)), 12)
+    core.add_request(a)
+    core.add_request(b)
+    for _ in range(200):
+        if b.num_preemptions:
+            break
+        step(core)
+    assert b.num_preemptions == 1 and b.status.value == "preempted"
+    saved_b = [blk for call in tier.save_calls for blk in call if blk.token_ids[0] >= 50]
+    assert saved_b and len(saved_b) >= 2  # its prompt's 2 blocks at least
+    while "B" not in tier.loads:  # on resume, the block past its pool hit is on disk
+        assert core.has_unfinished()
+        step(core)
+    while not a.is_finished:  # B waits on its load meanwhile, A runs (and frees room)
+        assert "B" not in core.runner.calls[-1]
+        step(core)
+    tier.complete("B")
+    step(core)
+    assert tier.installs[-1][0] == "B"
+    assert core.stats().prefix_disk_hits > 0
+    while core.has_unfinished():
+        step(core)
+    assert len(b.output_token_ids) == 12 and core.scheduler.pool.usage == 0.0
+
+
+def test_a_load_whose_pool_prefix_was_evicted_meanwhile_is_looked_up_again():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=6)
+    core.add_request(req("A", A_PROMPT, 3))
+    while core.has_unfinished():
+        step(core)  # free queue now [3, 4, 5, 2, 1, 0]: A's blocks cached, tail first
+    c = req("C", list(range(200, 213)), 3)
+    core.add_request(c)
+    step(core)  # C takes 4 blocks, evicting A's block 2 from the pool (not from disk)
+    assert c.block_ids == [3, 4, 5, 2]
+    b = req("B", A_PROMPT + [100, 101, 7], 1)
+    d = req("D", list(range(300, 305)), 2)
+    core.add_request(b)
+    core.add_request(d)
+    step(core)  # B: pool hit 2 blocks, block 2 read from disk; D evicts blocks 1 and 0
+    assert len(tier.loads["B"][0]) == 1 and d.block_ids == [1, 0]
+    tier.complete("B")
+    step(core)  # the load arrives after its pool prefix is gone: dropped, B looked up again
+    assert tier.discarded == ["B"] and b.num_cached_tokens == -1
+    for _ in range(5):  # (as soon as the pool is under its high watermark)
+        if "B" in tier.loads:
+            break
+        step(core)
+    assert len(tier.loads["B"][0]) == 3  # from block 0 now
+    while not (c.is_finished and d.is_finished):
+        step(core)
+    tier.complete("B")
+    step(core)
+    assert len(tier.installs) == 1 and len(tier.installs[0][1]) == 3
+    assert b.num_cached_tokens == 12 and b.num_disk_cached_tokens == 12
+    while core.has_unfinished():
+        step(core)

@@ -1,0 +1,213 @@
+"""The disk tier's I/O (service.worker.kv_disk_tier) on small KV tensors, no model: write
+behind, a restart's index, load and install, corruption, eviction, a full queue, a full
+disk, and another fingerprint on the same directory."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+import pytest
+import torch
+
+from service.core.kv_digest import block_digests
+from service.core.kv_disk import DiskBlock
+from service.worker.kv_disk_tier import DiskTier
+
+L, N, BS, H, D = 3, 8, 4, 2, 5  # layers, pool blocks, block size, KV heads, head dim
+FIELDS = {"model": "test", "block_size": BS}
+
+
+def caches(fill: bool = True) -> list[torch.Tensor]:
+    out = []
+    for layer in range(L):
+        t = torch.zeros(2, N, BS, H, D)
+        if fill:
+            t.copy_(torch.randn(2, N, BS, H, D, generator=torch.Generator().manual_seed(layer)))
+        out.append(t)
+    return out
+
+
+def blocks_of(tier: DiskTier, tokens: list[int], block_ids: list[int]) -> list[DiskBlock]:
+    digests = block_digests(tier.root, tokens, BS)
+    return [DiskBlock(d, tuple(tokens[i * BS:(i + 1) * BS]), b)
+            for i, (d, b) in enumerate(zip(digests, block_ids))]
+
+
+def wait_writes(tier: DiskTier, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while tier.stats.blocks_written < n:
+        assert time.monotonic() < deadline, f"only {tier.stats.blocks_written} of {n} written"
+        time.sleep(0.01)
+    while tier._inflight_bytes:  # the job's bookkeeping ends after its last file
+        time.sleep(0.01)
+
+
+def wait_load(tier: DiskTier, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        done = tier.poll()
+        if done:
+            return done
+        assert time.monotonic() < deadline, "load never finished"
+        time.sleep(0.01)
+
+
+TOKENS = list(range(1, 4 * BS + 1))  # 4 full blocks
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(tmp_path, 1 << 30, FIELDS, caches())
+    yield t
+    t.close()
+
+
+def test_save_restart_load_install_round_trip(tmp_path, tier):
+    src = tier.kv_caches
+    tier.save(blocks_of(tier, TOKENS, [5, 2, 7, 1]))
+    wait_writes(tier, 4)
+    files = sorted(tier.dir.glob("*/*.kvb"))
+    assert len(files) == 4 and all(f.stat().st_size == tier.file_nbytes for f in files)
+    # saving the same blocks again writes nothing
+    tier.save(blocks_of(tier, TOKENS, [5, 2, 7, 1]))
+    time.sleep(0.05)
+    assert tier.stats.blocks_written == 4
+    tier.close()
+
+    # "restart": a new tier over an empty cache finds the four blocks
+    dst = caches(fill=False)
+    again = DiskTier(tmp_path, 1 << 30, FIELDS, dst)
+    try:
+        digests = block_digests(again.root, TOKENS, BS)
+        assert len(again.index) == 4 and again.lookup(digests) == 4
+        assert again.lookup(block_digests(again.root, [9] + TOKENS[1:], BS)) == 0
+        expected = [tuple(TOKENS[i * BS:(i + 1) * BS]) for i in range(3)]
+        assert again.load("r", digests[:3], expected)
+        (result,) = wait_load(again)
+        assert result.key == "r" and result.num_blocks == 3 and result.seconds > 0
+        again.install(result, [0, 6, 3])
+        for layer in range(L):
+            for s, d in ((5, 0), (2, 6), (7, 3)):
+                assert torch.equal(dst[layer][:, d], src[layer][:, s])
+            assert not dst[layer][:, 1].any()  # nothing else written
+        assert again.stats.blocks_read == 3
+    finally:
+        again.close()
+
+
+def test_corrupt_and_truncated_files_are_misses_logged_and_deleted(tmp_path, tier, caplog):
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))
+    wait_writes(tier, 4)
+    digests = block_digests(tier.root, TOKENS, BS)
+    expected = [tuple(TOKENS[i * BS:(i + 1) * BS]) for i in range(4)]
+    second, third = tier.path_of(digests[1]), tier.path_of(digests[2])
+    data = bytearray(second.read_bytes())
+    data[-100] ^= 0xFF  # one payload byte
+    second.write_bytes(bytes(data))
+    third.write_bytes(third.read_bytes()[:50])
+    caplog.set_level(logging.WARNING, logger="service.worker.kv_disk_tier")
+    assert tier.load("r", digests, expected)
+    (result,) = wait_load(tier)
+    assert result.num_blocks == 1  # stops at the first bad block: the rest is recomputed
+    assert tier.stats.read_failures == {"checksum": 1}
+    assert not second.exists() and "checksum" in caplog.text
+    assert tier.lookup(digests) == 1
+    # the truncated one, asked for directly
+    assert tier.load("s", digests[2:3], expected[2:3])
+    (result,) = wait_load(tier)
+    assert result.num_blocks == 0 and tier.stats.read_failures["truncated"] == 1
+    assert "truncated" in caplog.text and not third.exists()
+
+
+def test_a_file_that_vanished_is_a_miss(tier):
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))
+    wait_writes(tier, 4)
+    digests = block_digests(tier.root, TOKENS, BS)
+    tier.path_of(digests[0]).unlink()  # e.g. evicted by another engine on the directory
+    assert tier.load("r", digests[:1], [tuple(TOKENS[:BS])])
+    (result,) = wait_load(tier)
+    assert result.num_blocks == 0 and tier.stats.read_failures == {"missing": 1}
+
+
+def test_another_fingerprint_never_sees_the_blocks(tmp_path, tier):
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))
+    wait_writes(tier, 4)
+    other = DiskTier(tmp_path, 1 << 30, {**FIELDS, "block_size": 8}, caches())
+    try:
+        assert other.dir != tier.dir and len(other.index) == 0
+        assert other.lookup(block_digests(other.root, TOKENS, BS)) == 0
+        # even a file copied into its folder under its digest fails the fingerprint check
+        mine = block_digests(other.root, TOKENS, BS)[0]
+        target = other.path_of(mine)
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(tier.path_of(block_digests(tier.root, TOKENS, BS)[0]).read_bytes())
+        assert other.lookup([mine]) == 1  # right size: the index believes it ...
+        assert other.load("r", [mine], [tuple(TOKENS[:BS])])
+        (result,) = wait_load(other)
+        assert result.num_blocks == 0 and other.stats.read_failures == {"fingerprint": 1}
+    finally:
+        other.close()
+
+
+def test_lru_eviction_by_size_keeps_recent_blocks(tmp_path):
+    probe = DiskTier(tmp_path / "probe", 1 << 30, FIELDS, caches())
+    size = probe.file_nbytes
+    probe.close()
+    tier = DiskTier(tmp_path, 3 * size, FIELDS, caches())
+    try:
+        tokens = list(range(1, 6 * BS + 1))  # 6 blocks, room for 3
+        digests = block_digests(tier.root, tokens, BS)
+        blocks = blocks_of(tier, tokens, [0, 1, 2, 3, 4, 5])
+        tier.save(blocks[:3])
+        wait_writes(tier, 3)
+        tier.index.touch(digests[0])  # block 0 used again: 1 and 2 are older
+        tier.save(blocks[3:5])
+        wait_writes(tier, 5)
+        assert tier.index.lru_order() == [digests[0], digests[3], digests[4]]
+        assert tier.stats.blocks_evicted == 2 and tier.index.total_bytes == 3 * size
+        assert sorted(p.name for p in tier.dir.glob("*/*.kvb")) == sorted(
+            d.hex() + ".kvb" for d in (digests[0], digests[3], digests[4]))
+    finally:
+        tier.close()
+
+
+def test_a_full_write_queue_drops_and_counts(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30, FIELDS, caches(), queue_bytes=1)
+    try:
+        tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))  # room for no block at all
+        assert tier.stats.writes_dropped == 4 and tier.stats.blocks_written == 0
+    finally:
+        tier.close()
+
+
+def test_a_full_disk_turns_the_tier_off_with_a_log_line(tmp_path, tier, monkeypatch, caplog):
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("service.worker.kv_disk_tier.write_block_file", full)
+    caplog.set_level(logging.ERROR, logger="service.worker.kv_disk_tier")
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))
+    deadline = time.monotonic() + 10
+    while tier.enabled:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "kv disk tier off" in caplog.text and "No space left" in caplog.text
+    assert tier.lookup(block_digests(tier.root, TOKENS, BS)) == 0
+    assert not tier.load("r", block_digests(tier.root, TOKENS, BS)[:1], [tuple(TOKENS[:BS])])
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))  # a no-op now, never an error
+
+
+def test_start_up_scan_deletes_files_of_the_wrong_size(tmp_path, tier):
+    tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))
+    wait_writes(tier, 4)
+    victim = tier.path_of(block_digests(tier.root, TOKENS, BS)[3])
+    victim.write_bytes(victim.read_bytes()[:-7])
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 30, FIELDS, caches())
+    try:
+        assert len(again.index) == 3 and again.stats.bad_files_at_start == 1
+        assert not victim.exists()
+    finally:
+        again.close()
