@@ -77,6 +77,8 @@ class DiskPrefix:
                                                       RequestStatus.PREEMPTED):
                 continue
             req.disk_checked = True
+            if req.params.prompt_logprobs is not None and not req.output_token_ids:
+                continue  # its prompt is scored from token 0: no cached prefix is used
             tokens = req.all_token_ids
             limit = (len(tokens) - 1) // bs  # the last token's block is always computed
             if limit == 0:

@@ -206,3 +206,23 @@ def test_a_load_whose_pool_prefix_was_evicted_meanwhile_is_looked_up_again():
     assert b.num_cached_tokens == 12 and b.num_disk_cached_tokens == 12
     while core.has_unfinished():
         step(core)
+
+
+def test_a_request_that_scores_its_prompt_never_loads_from_disk():
+    # prompt logprobs need every prompt position run: a disk prefix would be wasted reads
+    tier = FakeDiskTier()
+    core = make(tier)
+    finish_a(core, tier)
+    b_prompt = A_PROMPT + [100, 101, 7, 8, 9]
+    core.add_request(Request("B", b_prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                           prompt_logprobs=0)))
+    outs = []
+    for _ in range(50):  # a load would wait for the fake tier's complete(): bounded
+        if not core.has_unfinished():
+            break
+        outs += step(core)
+    assert tier.loads == {} and tier.installs == []
+    assert not core.has_unfinished()
+    first = next(o for o in outs if o.request_id == "B")
+    assert len(first.prompt_logprobs) == len(b_prompt)
+    assert core.scheduler.pool.usage == 0.0
