@@ -47,6 +47,14 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+
+def _families(names: list[str], values: list[str], rows) -> Iterator:
+    """One metric family per (name, doc, value, family class) row, with these labels."""
+    for name, doc, value, family in rows:
+        metric = family(PREFIX + name, doc, labels=names)
+        metric.add_metric(values, value)
+        yield metric
+
 class _StateCollector:
     def __init__(self, read: Callable[[], CoreStats | None], labels: dict[str, str]) -> None:
         self._read = read
@@ -57,7 +65,7 @@ class _StateCollector:
         if s is None:
             return
         names, values = list(self._labels), list(self._labels.values())
-        for name, doc, value, family in (
+        yield from _families(names, values, (
             ("num_requests_running", "Requests in the running batch.", s.running, GaugeMetricFamily),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.waiting, GaugeMetricFamily),
             ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0 to 1).",
@@ -68,10 +76,7 @@ class _StateCollector:
              s.prefix_hits, CounterMetricFamily),
             ("num_preemptions", "Preemptions (swap or recompute).", s.preemptions,
              CounterMetricFamily),
-        ):
-            metric = family(PREFIX + name, doc, labels=names)
-            metric.add_metric(values, value)
-            yield metric
+        ))
         tiers = CounterMetricFamily(PREFIX + "prefix_cache_tier_hits",
                                     "Prompt tokens served from the prefix cache, by the tier "
                                     "their KV came from (pool, or read back from disk).",
@@ -91,7 +96,7 @@ class _DiskCollector:
     def collect(self) -> Iterator:
         t, st = self._tier, self._tier.stats
         names, values = list(self._labels), list(self._labels.values())
-        for name, doc, value, family in (
+        yield from _families(names, values, (
             ("kv_disk_blocks_written", "KV blocks written to the disk tier.",
              st.blocks_written, CounterMetricFamily),
             ("kv_disk_bytes_written", "Bytes of KV block files written.", st.bytes_written,
@@ -108,10 +113,7 @@ class _DiskCollector:
              t.index.total_bytes, GaugeMetricFamily),
             ("kv_disk_enabled", "1 while the disk tier serves, 0 once an I/O error turned it "
              "off.", int(t.enabled), GaugeMetricFamily),
-        ):
-            metric = family(PREFIX + name, doc, labels=names)
-            metric.add_metric(values, value)
-            yield metric
+        ))
         failures = CounterMetricFamily(PREFIX + "kv_disk_read_failures",
                                        "Block reads served as misses, by reason (missing, "
                                        "truncated, checksum, fingerprint, ...).",

@@ -36,29 +36,26 @@ class _Server:
         while line := await stream.readline():
             into.append(line.decode("utf-8", "replace"))
 
-    async def port(self) -> int:
-        """Wait for the "serving" line (model load: ~30 s here, more on a busy machine)."""
-        async def serving() -> int:
+    async def _port_from(self, pattern: str, timeout: float) -> int:
+        """The port in the first stdout line matching `pattern` (its group 1)."""
+        async def find() -> int:
             while True:
                 for line in self.stdout:
-                    m = re.search(r"serving .* at ws://127\.0\.0\.1:(\d+)/v1/stream", line)
-                    if m:
-                        return int(m.group(1))
-                assert self.proc.returncode is None, "".join(self.stderr)[-3000:]
-                await asyncio.sleep(0.1)
-        return await asyncio.wait_for(serving(), 600)
-
-    async def loading_port(self) -> int:
-        """The port from the first line, printed before the model loads."""
-        async def loading() -> int:
-            while True:
-                for line in self.stdout:
-                    m = re.search(r"loading .* health at http://127\.0\.0\.1:(\d+)/health", line)
+                    m = re.search(pattern, line)
                     if m:
                         return int(m.group(1))
                 assert self.proc.returncode is None, "".join(self.stderr)[-3000:]
                 await asyncio.sleep(0.05)
-        return await asyncio.wait_for(loading(), 120)
+        return await asyncio.wait_for(find(), timeout)
+
+    async def port(self) -> int:
+        """Wait for the "serving" line (model load: ~30 s here, more on a busy machine)."""
+        return await self._port_from(r"serving .* at ws://127\.0\.0\.1:(\d+)/v1/stream", 600)
+
+    async def loading_port(self) -> int:
+        """The port from the first line, printed before the model loads."""
+        return await self._port_from(
+            r"loading .* health at http://127\.0\.0\.1:(\d+)/health", 120)
 
     async def finish(self) -> int:
         code = await asyncio.wait_for(self.proc.wait(), 120)
