@@ -253,12 +253,16 @@ class Delta(_Frame, tag="delta", gc=False, omit_defaults=True):
 
 
 class Usage(Struct, kw_only=True, gc=False):
-    """Token counts of a finished request; `cached_tokens` came from the prefix cache."""
+    """Token counts of a finished request; `cached_tokens` came from the prefix cache,
+    `disk_cached_tokens` of them were read back from the disk KV tier (`--kv-disk-path`;
+    0 without it). The second is an addition to PROTOCOL.md's `done` (issue 25, item 7):
+    clients that do not know it ignore it."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     cached_tokens: int = 0
+    disk_cached_tokens: int = 0
 
 
 class Timings(Struct, kw_only=True, gc=False):

@@ -138,7 +138,8 @@ class OutputProcessor:
             tpot = round((req.last_token_time - req.first_token_time) * 1000.0 / (n_out - 1), 3)
         usage = Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
                       total_tokens=req.num_prompt_tokens + n_out,
-                      cached_tokens=max(0, req.num_cached_tokens))
+                      cached_tokens=max(0, req.num_cached_tokens),
+                      disk_cached_tokens=req.num_disk_cached_tokens)
         timings = Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
                           ttft_ms=_ms(req.arrival_time, req.first_token_time),
                           tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),

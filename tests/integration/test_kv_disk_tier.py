@@ -58,6 +58,8 @@ async def test_greedy_text_is_the_same_and_a_restart_serves_the_prompt_from_disk
     assert text2 == text0
     full_blocks_tokens = (prompt_len // 16) * 16
     assert done2.usage.cached_tokens >= 0.9 * full_blocks_tokens, done2.usage
+    assert done2.usage.disk_cached_tokens == done2.usage.cached_tokens  # all read back
+    assert done1.usage.disk_cached_tokens == 0
     m = await restarted.metrics_text()
     assert metric(m, r'prefix_cache_tier_hits_total\{model_name="[^"]+",tier="disk"\}') == \
         done2.usage.cached_tokens
@@ -123,3 +125,4 @@ async def test_two_engines_on_one_directory_share_blocks_written_after_start_up(
     assert text_b == text_a and done_a.usage.cached_tokens == 0
     full = (done_b.usage.prompt_tokens // 16) * 16
     assert done_b.usage.cached_tokens >= 0.9 * full, done_b.usage
+    assert done_b.usage.disk_cached_tokens == done_b.usage.cached_tokens
