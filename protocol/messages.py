@@ -17,13 +17,15 @@ forms, default params, a missing `t`, a delta's logprobs when none were asked fo
 Every field PROTOCOL.md's examples show is always encoded: those fields have
 no default (`Error.id`, `Error.param`, `Error.retryable`) or live in Structs
 without `omit_defaults` (`SamplingParams`, `Usage.cached_tokens`, `Timings`).
+A field a later issue added is left out when it does not apply (`Usage.disk_cached_tokens`
+is `msgspec.UNSET` without a disk tier).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 PROTOCOL_VERSION = 1
 """The `protocol` number this package speaks (sent in `hello`)."""
@@ -253,16 +255,18 @@ class Delta(_Frame, tag="delta", gc=False, omit_defaults=True):
 
 
 class Usage(Struct, kw_only=True, gc=False):
-    """Token counts of a finished request; `cached_tokens` came from the prefix cache,
-    `disk_cached_tokens` of them were read back from the disk KV tier (`--kv-disk-path`;
-    0 without it). The second is an addition to PROTOCOL.md's `done` (issue 25, item 7):
-    clients that do not know it ignore it."""
+    """Token counts of a finished request; `cached_tokens` came from the prefix cache.
+
+    `disk_cached_tokens`: of those, the ones read back from the disk KV tier. Sent only
+    by a server with the tier (`--kv-disk-path`), 0 included; absent (`msgspec.UNSET`)
+    otherwise, so a server without it sends PROTOCOL.md's `done` exactly. It is an
+    addition to PROTOCOL.md (issue 25, item 7); older clients ignore it."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     cached_tokens: int = 0
-    disk_cached_tokens: int = 0
+    disk_cached_tokens: int | UnsetType = UNSET
 
 
 class Timings(Struct, kw_only=True, gc=False):

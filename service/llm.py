@@ -12,6 +12,7 @@ max_tokens end a completion here too, and a stop token is not part of it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,8 +32,14 @@ class LLM:
         model: model path (None: the embedded default); device, attention_backend, dtype,
             cpu_decode_kernel, quantization, batch_invariant as for `conveyor serve`;
             num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching: engine limits;
+            kv_disk_path, kv_disk_size: the disk KV tier, as `--kv-disk-path` /
+            `--kv-disk-size` (bytes): prefix blocks kept in files across runs;
             loaded: a checkpoint already in memory; config: a whole EngineConfig instead
             of the keyword settings; runner: a ready runner (tests: fakes).
+    Raises OSError when the disk tier's directory cannot be used (the server logs that
+    and serves without the tier; here nothing would say the tier is missing).
+    Use `with LLM(...) as llm:` or call `close()` with a disk tier: it finishes the
+    queued block writes.
     """
 
     def __init__(self, model: str | None = None, *, device: str = "cpu",
@@ -41,6 +48,7 @@ class LLM:
                  batch_invariant: bool = False, num_kv_blocks: int | None = 1024,
                  max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+                 kv_disk_path: str | None = None, kv_disk_size: int | None = None,
                  loaded: Any = None, config: EngineConfig | None = None,
                  runner: Any = None) -> None:
         self.config = config or EngineConfig(
@@ -48,7 +56,9 @@ class LLM:
                               dtype=dtype, cpu_decode_kernel=cpu_decode_kernel,
                               quantization=quantization, batch_invariant=batch_invariant),
             cache=CacheConfig(num_kv_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_disk_path=kv_disk_path,
+                              **({} if kv_disk_size is None else {"kv_disk_size": kv_disk_size})),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
         )
@@ -57,7 +67,12 @@ class LLM:
 
             runner = ModelRunner(self.config, loaded)
         self.runner = runner
-        self.core = EngineCore(self.config, runner)
+        self.disk_tier: Any = None  # service.worker.kv_disk_tier.DiskTier
+        if self.config.cache.kv_disk_path is not None:
+            from service.worker.kv_disk_tier import open_disk_tier
+
+            self.disk_tier = open_disk_tier(self.config, runner)
+        self.core = EngineCore(self.config, runner, disk=self.disk_tier)
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model,
             getattr(runner, "model_name", ""))
@@ -109,14 +124,33 @@ class LLM:
         for req in reqs:
             self.core.add_request(req)
         errors: dict[str, str] = {}
-        while self.core.has_unfinished():
-            for out in self.core.step():
+        core = self.core
+        while core.has_unfinished():
+            steps = core.num_steps
+            for out in core.step():
                 if out.finish_reason == "error":
                     errors[out.request_id] = out.error or "failed"
+            if core.num_steps == steps:  # nothing could run: a disk load is in flight
+                due = core.idle_until()
+                if due is not None:
+                    time.sleep(min(0.01, max(0.0, due - time.monotonic())))
         self.core.check_integrity()
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed: {errors}")
         return [r.output_token_ids for r in reqs]
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes and stop its threads (idempotent; nothing
+        to do without a tier)."""
+        if self.disk_tier is not None:
+            self.core.flush_disk_saves()
+            self.disk_tier.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate_greedy(self, prompt_token_ids: Sequence[Sequence[int]],
                         max_tokens: int) -> list[list[int]]:

@@ -2,6 +2,8 @@
 
     python -m service.bench.agentic                          # 4 sessions x 4 turns, 96 KV blocks
     python -m service.bench.agentic --sessions 8 --turns 6 --json docs/perf/agentic.json
+    # issue 25's figure: 6k-token contexts, a pool of 512 blocks (one session's worth)
+    python -m service.bench.agentic --context 6144 --append 192 --num-kv-blocks 512
 
 N sessions of T turns. A session starts from a context of `--context` tokens (real
 prose, each session its own); each turn appends `--append` tokens (the "tool output")
@@ -17,8 +19,9 @@ see the same machine load):
 then, for the first turns after a restart, one more turn of every session on a new
 engine over the same directory ("restart"), alternating with a new engine without
 the tier ("restart_off").
-Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens), prompt
-tokens computed, TTFT p50 / p99 of first and returning turns, disk hits; and whether
+Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens), over all
+turns and over returning turns only (`hit_rate_returning`: a session's first turn has
+nothing to hit), prompt tokens from disk (usage.disk_cached_tokens), prompt tokens computed, TTFT p50 / p99 of first and returning turns, disk hits; and whether
 every greedy answer of "on" equals that of "off".
 """
 
@@ -77,7 +80,9 @@ async def ask(engine: Engine, prompt: list[int], max_tokens: int) -> dict:
             answer += event.token_ids
         else:
             done = event
+    disk = done.usage.disk_cached_tokens
     return {"prompt_tokens": done.usage.prompt_tokens, "cached_tokens": done.usage.cached_tokens,
+            "disk_cached_tokens": disk if isinstance(disk, int) else 0,
             "ttft_ms": done.timings.ttft_ms, "answer": answer,
             "wall_s": time.perf_counter() - t0}
 
@@ -116,8 +121,12 @@ def summarize(records: list[dict], extra: dict, first_turn: int) -> dict:
     cached = sum(r["cached_tokens"] for r in records)
     first = [r["ttft_ms"] for r in records if r["turn"] == first_turn]
     back = [r["ttft_ms"] for r in records if r["turn"] > first_turn]
+    back_prompt = sum(r["prompt_tokens"] for r in records if r["turn"] > first_turn)
+    back_cached = sum(r["cached_tokens"] for r in records if r["turn"] > first_turn)
     return {"requests": len(records), "prompt_tokens": prompt, "cached_tokens": cached,
             "hit_rate": round(cached / prompt, 4) if prompt else None,
+            "hit_rate_returning": round(back_cached / back_prompt, 4) if back_prompt else None,
+            "disk_cached_tokens": sum(r["disk_cached_tokens"] for r in records),
             "prompt_tokens_computed": prompt - cached,
             "ttft_ms_first_turns_p50": percentile(first, 50),
             "ttft_ms_returning_p50": percentile(back, 50),

@@ -74,6 +74,10 @@ class KVBlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, Block] = {}
         self.stats = PoolStats()
+        # called by allocate() with the (block id, block hash, token ids) of the cached
+        # blocks it just evicted, before any K/V in them is overwritten (the disk tier's
+        # last chance to save them: service.core.disk_prefix)
+        self.on_evict: Callable[[list[tuple[int, int, tuple[int, ...]]]], None] | None = None
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -160,16 +164,21 @@ class KVBlockPool:
         if num_blocks > len(self._free):
             return []
         out: list[int] = []
+        evicted: list[tuple[int, int, tuple[int, ...]]] = []
         for _ in range(num_blocks):
             b, _ = self._free.popitem(last=False)
             block = self.blocks[b]
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if self.on_evict is not None:
+                        evicted.append((b, block.block_hash, block.token_ids))
                 block.block_hash = block.token_ids = None
                 self.stats.evictions += 1
             block.ref_cnt = 1
             out.append(b)
+        if evicted:
+            self.on_evict(evicted)
         return out
 
     def cache_block(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:

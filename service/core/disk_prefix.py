@@ -17,10 +17,19 @@ If the pool evicted some of blocks 0..p meanwhile, the load is dropped and the r
 is looked up again from its shorter pool hit. A hit is confirmed token by token in the
 pool as always: at worst a smaller hit, never wrong KV.
 
-Write-behind: when a request's prompt is done (its first token sampled), when it ends,
-and when it is preempted for recompute, its computed full blocks are noted; `flush()` hands them to `DiskTier.save` before the next allocation
-can reuse their blocks (end of step() and start of schedule()), which copies their K/V
-out at once and writes them behind.
+Write-behind (write-through, as SGLang HiCache's default policy), a request's computed
+full blocks are noted
+- when its prompt is done (its first token sampled),
+- every DECODE_NOTE_BLOCKS new full blocks while it decodes (a long-running request),
+- when it ends, and when it is preempted for recompute: with the tier, a preemption
+  that finds `--swap-space` full (or chooses recompute) spills its KV to disk, and its
+  resume reads the full blocks back (only the last, partly filled block is recomputed);
+`flush()` hands them to `DiskTier.save` before the next allocation can reuse their
+blocks (end of step() and start of schedule()), which copies their K/V out at once and
+writes them behind. A save the write queue could not take (dropped, counted) gets a
+second chance when the pool evicts the block: the pool's `on_evict` hook offers every
+noted block again just before its K/V is overwritten (`DiskTier.save(evicting=True)`;
+blocks the tier holds are skipped).
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ from service.core.kv_digest import block_digests
 from service.core.kv_disk import DiskBlock, DiskTier
 from service.core.request import Request, RequestStatus
 
-__all__ = ["DiskPrefix"]
+__all__ = ["DECODE_NOTE_BLOCKS", "DiskPrefix"]
+
+DECODE_NOTE_BLOCKS = 8  # a decoding request's new full blocks are saved in groups of this
 
 
 class DiskPrefix:
@@ -46,6 +57,10 @@ class DiskPrefix:
         self.block_size = pool.block_size
         self.loading: dict[str, tuple[Request, int]] = {}  # request id -> (request, p)
         self._pending: list[DiskBlock] = []
+        # pool block id -> (its pool hash, the block as noted): what the pool's eviction
+        # hook offers the tier again (at most one entry per pool block)
+        self._noted: dict[int, tuple[int, DiskBlock]] = {}
+        pool.on_evict = self._on_evict
         self.num_loaded_blocks = 0     # installed in the pool
         self.num_unplaced_blocks = 0   # read, but no free pool block to put them in
 
@@ -148,19 +163,46 @@ class DiskPrefix:
         return bool(self.loading)
 
     # ---- write-behind --------------------------------------------------------------------
-    def note_blocks(self, req: Request) -> None:
-        """Remember `req`'s computed full blocks for the next flush (call before its blocks
-        are freed: their K/V stays intact until a later allocation reuses them)."""
+    def note_blocks(self, req: Request, start: int = 0) -> None:
+        """Remember `req`'s computed full blocks from block `start` on for the next flush
+        (call before its blocks are freed: their K/V stays intact until a later
+        allocation reuses them)."""
         if not self.tier.enabled or not req.block_ids:
             return
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
-        if num_full == 0:
+        if num_full <= start:
             return
         digests = self.digests(req, num_full)
-        for b in range(num_full):
-            self._pending.append(DiskBlock(digests[b], tuple(req.token_slice(b * bs, (b + 1) * bs)),
-                                           req.block_ids[b]))
+        hashes = req.block_hashes
+        for b in range(start, num_full):
+            block = DiskBlock(digests[b], tuple(req.token_slice(b * bs, (b + 1) * bs)),
+                              req.block_ids[b])
+            self._pending.append(block)
+            if b < len(hashes):
+                self._noted[block.block_id] = (hashes[b], block)
+        req.disk_noted_blocks = max(req.disk_noted_blocks, num_full)
+
+    def note_decoded_blocks(self, req: Request) -> None:
+        """While `req` decodes: note its new full blocks once DECODE_NOTE_BLOCKS of them
+        have been computed since the last note."""
+        if req.num_computed_tokens // self.block_size >= \
+                req.disk_noted_blocks + DECODE_NOTE_BLOCKS:
+            self.note_blocks(req, req.disk_noted_blocks)
+
+    def _on_evict(self, evicted: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """The pool is about to reuse these cached blocks: offer the tier those noted
+        under the same hash and tokens (a block id reused since it was noted is not
+        offered: its K/V is another block's now)."""
+        again = []
+        for block_id, block_hash, token_ids in evicted:
+            entry = self._noted.pop(block_id, None)
+            if entry is not None and entry[0] == block_hash and \
+                    entry[1].token_ids == token_ids:
+                again.append(entry[1])
+        if again and self.tier.enabled:
+            self.flush()
+            self.tier.save(again, evicting=True)
 
     def flush(self) -> None:
         """Hand the noted blocks to the tier (it copies their K/V out now)."""

@@ -47,9 +47,10 @@ class DiskTier(Protocol):
         """How many of `digests`, from the first, the tier holds (0 when disabled)."""
         ...
 
-    def save(self, blocks: Sequence[DiskBlock]) -> None:
+    def save(self, blocks: Sequence[DiskBlock], evicting: bool = False) -> None:
         """Copy these blocks' K/V out of the pool now and write them behind; blocks the
-        tier holds or already queued are skipped, those the queue cannot take dropped."""
+        tier holds or already queued are skipped, those the queue cannot take dropped.
+        evicting: the pool is about to overwrite them (counted apart)."""
         ...
 
     def load(self, key: str, digests: Sequence[bytes],

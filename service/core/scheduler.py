@@ -301,6 +301,8 @@ class Scheduler:
                 req.num_computed_tokens += len(seq.token_ids)
                 if req.num_computed_tokens // bs > req.num_registered_blocks:
                     self.kv.cache_full_blocks(req)
+                    if disk is not None and req.output_token_ids:
+                        disk.note_decoded_blocks(req)  # a long-running request
                 token = sampled.get(seq.request_id)
                 if token is not None:
                     if not req.output_token_ids and disk is not None:

@@ -59,6 +59,7 @@ class DiskTierStats:
     blocks_read: int = 0
     bytes_read: int = 0
     writes_dropped: int = 0      # the write queue was full
+    eviction_saves: int = 0      # queued when the pool evicted them (not saved before)
     blocks_evicted: int = 0
     bad_files_at_start: int = 0  # wrong size, deleted by the start-up scan
     read_failures: dict[str, int] = field(default_factory=dict)
@@ -191,8 +192,9 @@ class DiskTier:
             n += 1
         return n
 
-    def save(self, blocks: Sequence[DiskBlock]) -> None:
-        """Copy the blocks' K/V out now and queue their write (see the module docstring)."""
+    def save(self, blocks: Sequence[DiskBlock], evicting: bool = False) -> None:
+        """Copy the blocks' K/V out now and queue their write (see the module docstring);
+        evicting: the pool is about to reuse them (counted in `eviction_saves`)."""
         if not self.enabled or self._closed:
             return
         todo: list[DiskBlock] = []
@@ -210,6 +212,8 @@ class DiskTier:
                 todo.append(b)
             nbytes = len(todo) * self.payload_nbytes
             self._inflight_bytes += nbytes
+            if evicting:
+                self.stats.eviction_saves += len(todo)
             self._queued.update(b.digest for b in todo)
         if not todo:
             return

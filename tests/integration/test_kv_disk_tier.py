@@ -126,3 +126,20 @@ async def test_two_engines_on_one_directory_share_blocks_written_after_start_up(
     full = (done_b.usage.prompt_tokens // 16) * 16
     assert done_b.usage.cached_tokens >= 0.9 * full, done_b.usage
     assert done_b.usage.disk_cached_tokens == done_b.usage.cached_tokens
+
+
+def test_the_offline_llm_keeps_its_prefix_on_disk_across_runs(loaded_model, tmp_path):
+    from service.llm import LLM
+
+    ids = list(loaded_model.tokenizer(PROMPT)["input_ids"])
+    kw = dict(loaded=loaded_model, num_kv_blocks=256, kv_disk_path=str(tmp_path))
+    with LLM(**kw) as first:
+        [out0] = first.generate_greedy([ids], 12)
+        assert first.core.stats().prefix_hits == 0
+    with LLM(**kw) as again:  # a new process would see the same files
+        [out1] = again.generate_greedy([ids], 12)
+        stats = again.core.stats()
+    assert out1 == out0
+    full = (len(ids) // 16) * 16
+    assert stats.prefix_disk_hits == stats.prefix_hits >= 0.9 * full, stats
+    assert again.disk_tier.stats.blocks_read == stats.prefix_disk_hits // 16

@@ -125,6 +125,13 @@ SERVER_MESSAGES = [
     Error(
         id="a", code="overloaded", param=None, message="full", retryable=True, retry_after_ms=250
     ),
+    Done(
+        id="b",
+        finish_reason="length",
+        usage=Usage(prompt_tokens=40, completion_tokens=2, total_tokens=42, cached_tokens=32,
+                    disk_cached_tokens=16),
+        timings=Timings(),
+    ),
 ]
 
 
@@ -215,3 +222,12 @@ def test_unknown_fields_are_ignored() -> None:
     assert decode_server_frame(
         '{"type": "accepted", "id": "r1", "prompt_tokens": 3, "queue_position": 9}'
     ) == Accepted(id="r1", prompt_tokens=3)
+
+
+def test_disk_cached_tokens_is_sent_only_by_a_server_with_a_disk_tier() -> None:
+    plain = Usage(prompt_tokens=5, completion_tokens=1, total_tokens=6, cached_tokens=4)
+    assert "disk_cached_tokens" not in json.loads(encode(plain))
+    tiered = Usage(prompt_tokens=5, completion_tokens=1, total_tokens=6, cached_tokens=4,
+                   disk_cached_tokens=0)
+    assert json.loads(encode(tiered))["disk_cached_tokens"] == 0
+    assert msgspec.json.decode(encode(plain), type=Usage).disk_cached_tokens is msgspec.UNSET

@@ -226,3 +226,98 @@ def test_a_request_that_scores_its_prompt_never_loads_from_disk():
     first = next(o for o in outs if o.request_id == "B")
     assert len(first.prompt_logprobs) == len(b_prompt)
     assert core.scheduler.pool.usage == 0.0
+
+
+def test_a_dropped_save_is_offered_again_when_the_pool_evicts_the_block():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=6)
+    tier.drop_saves = True  # as a full write queue: A's saves are lost
+    core.add_request(req("A", A_PROMPT, 3))
+    while core.has_unfinished():
+        step(core)  # free queue now [3, 4, 5, 2, 1, 0]: A's 3 full blocks cached
+    assert tier.saved == {}
+    tier.drop_saves = False
+    c = req("C", list(range(200, 213)), 3)
+    core.add_request(c)
+    step(core)  # C takes 4 blocks: evicts A's last full block (2) from the pool
+    assert c.block_ids == [3, 4, 5, 2]
+    digests = block_digests(tier.root, A_PROMPT + [100, 101], BS)
+    assert [[(b.digest, b.block_id) for b in call] for call in tier.eviction_saves] == \
+        [[(digests[2], 2)]]
+    assert digests[2] in tier.saved and digests[0] not in tier.saved  # 0 is still pooled
+    while core.has_unfinished():
+        step(core)
+
+
+def test_a_block_reused_since_it_was_noted_is_not_offered_under_its_old_digest():
+    tier = FakeDiskTier()
+    core = make(tier, num_blocks=6)
+    core.add_request(req("A", A_PROMPT, 3))
+    while core.has_unfinished():
+        step(core)  # A's blocks 0, 1, 2 noted (and saved)
+    core.scheduler.pool.reset_prefix_cache()  # their ids are reused with no eviction
+    tier.enabled = False  # so B's blocks are never noted: A's entries stay
+    b = req("B", list(range(300, 321)), 1)  # 21 tokens: blocks 3, 4, 5, 2, 1, 0
+    core.add_request(b)
+    while core.has_unfinished():
+        step(core)
+    tier.enabled = True
+    core.add_request(req("C", list(range(400, 421)), 1))  # evicts B's cached blocks
+    while core.has_unfinished():
+        step(core)
+    a_digests = set(block_digests(tier.root, A_PROMPT + [100, 101], BS))
+    offered = {blk.digest for call in tier.save_calls[2:] for blk in call}
+    assert not offered & a_digests  # B's K/V is never written under A's digests
+
+
+def test_a_long_running_request_saves_its_decoded_blocks_in_groups():
+    from service.core.disk_prefix import DECODE_NOTE_BLOCKS
+
+    tier = FakeDiskTier()
+    core = make(tier)
+    max_tokens = 4 * DECODE_NOTE_BLOCKS + 4
+    a = req("A", A_PROMPT, max_tokens)  # 10 prompt tokens: 2 full blocks at prompt done
+    core.add_request(a)
+    while len(tier.save_calls) < 2:
+        step(core)
+    # the second save comes while A decodes, once DECODE_NOTE_BLOCKS more blocks are full
+    assert not a.is_finished
+    assert a.num_computed_tokens == BS * (2 + DECODE_NOTE_BLOCKS)
+    digests = block_digests(tier.root, a.token_slice(0, a.num_computed_tokens), BS)
+    assert [b.digest for b in tier.save_calls[1]] == digests[2:2 + DECODE_NOTE_BLOCKS]
+    assert [b.block_id for b in tier.save_calls[1]] == a.block_ids[2:2 + DECODE_NOTE_BLOCKS]
+    while core.has_unfinished():
+        step(core)
+
+
+def test_a_preemption_that_finds_swap_space_full_spills_to_disk_and_reads_back():
+    tier = FakeDiskTier()
+    runner = NullRunner(8, num_swap_blocks=0, max_model_len=512,
+                        token_fn=lambda rid, pos: 100 + pos)
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=BS, kv_watermark_low=1.0, kv_watermark_high=1.0,
+                          kv_watermark_critical=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
+                                  preemption_mode="swap"))
+    core = EngineCore(cfg, runner, disk=tier)
+    a, b = req("A", list(range(1, 9)), 12), req("B", list(range(50, 58)), 12)
+    core.add_request(a)
+    core.add_request(b)
+    for _ in range(200):
+        if b.num_preemptions:
+            break
+        step(core)
+    # no swap space left: B's KV went to disk instead of CPU swap blocks
+    assert b.num_preemptions == 1 and b.status.value == "preempted" and not b.cpu_block_ids
+    spilled = {blk.digest for call in tier.save_calls for blk in call if blk.token_ids[0] >= 50}
+    assert len(spilled) >= 2
+    while "B" not in tier.loads:
+        step(core)
+    while not a.is_finished:
+        step(core)
+    tier.complete("B")
+    step(core)
+    assert core.stats().prefix_disk_hits > 0
+    while core.has_unfinished():
+        step(core)
+    assert len(b.output_token_ids) == 12 and core.scheduler.pool.usage == 0.0

@@ -9,7 +9,7 @@ from service.core.kv_disk import DiskBlock, LoadResult
 
 
 class FakeDiskTier:
-    """saved: digest -> DiskBlock; loads: key -> (digests, tokens) queued; installs:
+    """saved: digest -> DiskBlock (unless drop_saves); loads: key -> (digests, tokens) queued; installs:
     (key, block ids) in order; discarded: keys of results dropped unused."""
 
     def __init__(self, root: bytes = b"R" * 16, max_loads: int = 4) -> None:
@@ -18,6 +18,8 @@ class FakeDiskTier:
         self.max_loads = max_loads
         self.saved: dict[bytes, DiskBlock] = {}
         self.save_calls: list[list[DiskBlock]] = []
+        self.eviction_saves: list[list[DiskBlock]] = []  # per save(evicting=True): new ones
+        self.drop_saves = False  # as a full write queue: saves are recorded, not kept
         self.loads: dict[str, tuple[list[bytes], list[tuple[int, ...]]]] = {}
         self.installs: list[tuple[str, list[int]]] = []
         self.discarded: list[str] = []
@@ -29,8 +31,12 @@ class FakeDiskTier:
             n += 1
         return n if self.enabled else 0
 
-    def save(self, blocks: Sequence[DiskBlock]) -> None:
+    def save(self, blocks: Sequence[DiskBlock], evicting: bool = False) -> None:
         self.save_calls.append(list(blocks))
+        if evicting:
+            self.eviction_saves.append([b for b in blocks if b.digest not in self.saved])
+        if self.drop_saves:
+            return
         for b in blocks:
             self.saved.setdefault(b.digest, b)
 
