@@ -62,3 +62,17 @@ def test_deployment_options():
         .model.num_threads == 2
     pinned = EngineConfig(model=ModelConfig(num_threads=3))
     assert replica_engine_config(pinned, ClusterConfig()).model.num_threads == 3
+
+
+@pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed")
+def test_the_disk_tier_flags_reach_every_replica(tmp_path):
+    """`--kv-disk-path DIR --kv-disk-size BYTES` (flags, or a Serve YAML's args.flags) end
+    up in the EngineConfig each replica is bound with: replicas on one node share DIR."""
+    from service.cluster.app import configs_from_argv, replica_engine_config
+
+    engine, _, cluster = configs_from_argv(["--replicas", "2", "--kv-disk-path",
+                                            str(tmp_path), "--kv-disk-size", "123456789"])
+    replica = replica_engine_config(engine, cluster)
+    assert cluster.num_replicas == 2
+    assert replica.cache.kv_disk_path == str(tmp_path)
+    assert replica.cache.kv_disk_size == 123456789
