@@ -182,6 +182,15 @@ def test_a_full_write_queue_drops_and_counts(tmp_path):
         tier.close()
 
 
+def test_saves_at_eviction_count_only_the_blocks_not_held_yet(tier):
+    blocks = blocks_of(tier, TOKENS, [0, 1, 2, 3])
+    tier.save(blocks[:2])
+    wait_writes(tier, 2)
+    tier.save(blocks, evicting=True)  # the pool evicts all four: two were on disk already
+    wait_writes(tier, 4)
+    assert tier.stats.eviction_saves == 2 and tier.stats.blocks_written == 4
+
+
 def test_a_full_disk_turns_the_tier_off_with_a_log_line(tmp_path, tier, monkeypatch, caplog):
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
