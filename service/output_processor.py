@@ -140,8 +140,8 @@ class OutputProcessor:
         usage = Usage(prompt_tokens=req.num_prompt_tokens, completion_tokens=n_out,
                       total_tokens=req.num_prompt_tokens + n_out,
                       cached_tokens=max(0, req.num_cached_tokens),
-                      disk_cached_tokens=UNSET if req.num_disk_cached_tokens is None
-                      else req.num_disk_cached_tokens)
+                      disk_cached_tokens=req.num_disk_cached_tokens
+                      if self.core.disk is not None else UNSET)
         timings = Timings(queue_ms=_ms(req.arrival_time, req.first_scheduled_time),
                           ttft_ms=_ms(req.arrival_time, req.first_token_time),
                           tpot_ms=tpot, e2e_ms=_ms(req.arrival_time, end),

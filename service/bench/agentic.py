@@ -21,8 +21,9 @@ engine over the same directory ("restart"), alternating with a new engine withou
 the tier ("restart_off").
 Reported per run: prefix-cache hit rate (cached prompt tokens / prompt tokens), over all
 turns and over returning turns only (`hit_rate_returning`: a session's first turn has
-nothing to hit), prompt tokens from disk (usage.disk_cached_tokens), prompt tokens computed, TTFT p50 / p99 of first and returning turns, disk hits; and whether
-every greedy answer of "on" equals that of "off".
+nothing to hit), prompt tokens from disk (usage.disk_cached_tokens), prompt tokens
+computed, TTFT p50 / p99 of first and returning turns, disk hits; and whether every
+greedy answer of "on" equals that of "off".
 """
 
 from __future__ import annotations

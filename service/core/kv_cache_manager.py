@@ -95,7 +95,7 @@ class KVCacheManager:
         self.pool.record_prefix_query(len(tokens), num_cached, disk_tokens)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
-            req.num_disk_cached_tokens = disk_tokens if self.disk is not None else None
+            req.num_disk_cached_tokens = disk_tokens
         return True
 
     def swap_in(self, req: Request, budget: int, max_usage: float | None, ops: BlockOps) -> bool:

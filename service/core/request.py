@@ -52,7 +52,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
     cpu_block_ids: list[int] = field(default_factory=list)  # while SWAPPED
     num_cached_tokens: int = -1  # prefix cache hit at first schedule; -1 = not scheduled yet
-    num_disk_cached_tokens: int | None = None  # of those, read from the disk tier (None: no tier)
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read from the disk tier
     # disk tier (service.core.disk_prefix): stable digests of full blocks, whether this
     # wait's lookup ran, a load in flight, and which blocks [start, end) the last load put
     # in the pool
