@@ -80,13 +80,17 @@ class DiskTier:
         capacity_bytes: most bytes of block files this engine keeps (LRU eviction).
         fields: the KV fingerprint's fields (`service.worker.kv_fingerprint`).
         kv_caches: the pool's KV tensors, one per layer, [2, num_blocks, block_size, Hkv, D].
-        queue_bytes: most K/V bytes waiting to be written (beyond it saves are dropped).
+        queue_bytes: most K/V bytes waiting to be written (beyond it saves are dropped);
+            raised to `min_queue_blocks` blocks' worth when that is more.
+        min_queue_blocks: blocks the queue always has room for (`open_disk_tier`: one
+            request at max_model_len, so a whole long prompt is never dropped).
         max_loads: most loads queued or running.
     Raises OSError when the directory cannot be created or read.
     """
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, fields: dict[str, Any],
                  kv_caches: Sequence[torch.Tensor], *, queue_bytes: int = 256 << 20,
+                 min_queue_blocks: int = 0,
                  max_loads: int = 4) -> None:
         self.root = fingerprint_digest(fields)
         self.dir = Path(path) / self.root.hex()
@@ -102,7 +106,7 @@ class DiskTier:
         self.enabled = True
         self._closed = False
         self.on_load_seconds: Callable[[float], None] | None = None  # the metrics' histogram
-        self.queue_bytes = queue_bytes
+        self.queue_bytes = max(queue_bytes, min_queue_blocks * self.payload_nbytes)
         self.max_loads = max_loads
         self._lock = threading.Lock()
         self._queued: set[bytes] = set()  # digests waiting in the write queue
@@ -380,5 +384,6 @@ def open_disk_tier(config: Any, runner: Any) -> DiskTier:
 
     model_path = runner.loaded.gguf_path or config.model.model or default_model_path()
     fields = kv_fingerprint_fields(runner, model_path)
+    bs = config.cache.block_size
     return DiskTier(config.cache.kv_disk_path, config.cache.kv_disk_size, fields,
-                    runner.kv_caches)
+                    runner.kv_caches, min_queue_blocks=-(-runner.max_model_len // bs))

@@ -47,6 +47,8 @@ async def test_greedy_text_is_the_same_and_a_restart_serves_the_prompt_from_disk
     assert prompt_len > 500 and done0.usage.cached_tokens == 0
 
     first = await make_engine(kv_disk_path=str(tmp_path))
+    tier = first.disk_tier  # room for a whole max_model_len prompt's blocks in the queue
+    assert tier.queue_bytes >= -(-first.max_model_len // 16) * tier.payload_nbytes
     text1, done1 = await ask(first)
     assert text1 == text0 and done1.usage.cached_tokens == 0
     await first.close()  # flushes the write queue

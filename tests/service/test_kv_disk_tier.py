@@ -182,6 +182,17 @@ def test_a_full_write_queue_drops_and_counts(tmp_path):
         tier.close()
 
 
+def test_the_write_queue_always_holds_min_queue_blocks(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30, FIELDS, caches(), queue_bytes=1, min_queue_blocks=3)
+    try:
+        assert tier.queue_bytes == 3 * tier.payload_nbytes
+        tier.save(blocks_of(tier, TOKENS, [0, 1, 2, 3]))  # room for 3 of the 4
+        assert tier.stats.writes_dropped == 1
+        wait_writes(tier, 3)
+    finally:
+        tier.close()
+
+
 def test_saves_at_eviction_count_only_the_blocks_not_held_yet(tier):
     blocks = blocks_of(tier, TOKENS, [0, 1, 2, 3])
     tier.save(blocks[:2])
