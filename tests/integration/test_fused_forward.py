@@ -28,16 +28,19 @@ def int4(loaded_model):
     return runner
 
 
+GREEDY = SamplingParams(temperature=0.0)  # the decode steps' inputs are the same every run
+
+
 def _prefill(runner, prompts: list[list[int]]) -> list[ScheduledSequence]:
-    """Prefill each prompt (unfused: a prefill step), return their next decode steps."""
+    """Prefill each prompt (unfused: a prefill step), return their next decode steps
+    (each fed its prompt's greedy next token)."""
     decodes, block = [], 0
     for i, ids in enumerate(prompts):
         blocks = list(range(block, block + runner.blocks_needed(len(ids) + 4)))
         block += len(blocks)
-        seq = ScheduledSequence(f"r{i}", ids, 0, blocks, True, SamplingParams())
+        seq = ScheduledSequence(f"r{i}", ids, 0, blocks, True, GREEDY)
         tok = runner.execute(SchedulerOutput([seq], len(ids))).sampled[f"r{i}"]
-        decodes.append(ScheduledSequence(f"r{i}", [tok], len(ids), blocks, True,
-                                         SamplingParams()))
+        decodes.append(ScheduledSequence(f"r{i}", [tok], len(ids), blocks, True, GREEDY))
     return decodes
 
 

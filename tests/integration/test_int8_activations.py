@@ -66,7 +66,7 @@ def test_fused_decode_step_is_the_per_op_one_up_to_activation_rounding(runners, 
         kv.copy_(b)
     fused = _forward(a8, decodes, fused=True)
     cosine = torch.nn.functional.cosine_similarity(fused, unfused, dim=-1)
-    # measured (AVX2 Zen 3): 0.9945-0.997 per row run alone, the cache's other contents
-    # and thread count moving it by a few thousandths; 0.980 for one row once in a full
-    # suite run. The oracle test above allows 0.95 per row for the same rounding.
-    assert float(cosine.min()) > 0.97 and float(cosine.mean()) > 0.985, cosine
+    # measured (AVX2 Zen 3, 1 or 2 threads, every run): 0.9945, 0.9972, 0.9954. The decode
+    # rows' inputs are the prompts' greedy tokens (_prefill): with a sampled token, one
+    # row once came out at 0.980.
+    assert float(cosine.min()) > 0.99, cosine
