@@ -4,6 +4,8 @@ others run, failed and partial loads, aborts during a load, and the pool's invar
 
 from __future__ import annotations
 
+import pytest
+
 from protocol import SamplingParams
 from service.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
@@ -16,13 +18,15 @@ BS = 4
 A_PROMPT = list(range(1, 11))  # 10 tokens; A generates 100, 101, 102
 
 
-def make(tier: FakeDiskTier, num_blocks: int = 64) -> EngineCore:
+def make(tier: FakeDiskTier, num_blocks: int = 64,
+         preemption_mode: str = "recompute") -> EngineCore:
+    """No CPU swap blocks (NullRunner's default): "swap" finds its swap space full."""
     runner = NullRunner(num_blocks, max_model_len=512, token_fn=lambda rid, pos: 100 + pos)
     cfg = EngineConfig(
         cache=CacheConfig(block_size=BS, kv_watermark_low=1.0, kv_watermark_high=1.0,
                           kv_watermark_critical=1.0),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
-                                  preemption_mode="recompute"))
+                                  preemption_mode=preemption_mode))
     return EngineCore(cfg, runner, disk=tier)
 
 
@@ -146,9 +150,11 @@ def test_a_disabled_tier_is_never_asked():
     assert not core.has_unfinished()
 
 
-def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back(mode):
+    """With "swap" there is no swap space left: the preemption spills B's KV to disk."""
     tier = FakeDiskTier()
-    core = make(tier, num_blocks=8)  # 32 tokens: A and B cannot both reach 20
+    core = make(tier, num_blocks=8, preemption_mode=mode)  # 32 tokens: not both at 20
     a, b = req("A", list(range(1, 9)), 12), req("B", list(range(50, 58)), 12)
     core.add_request(a)
     core.add_request(b)
@@ -156,7 +162,7 @@ def test_a_recompute_preemption_writes_its_blocks_and_its_resume_reads_them_back
         if b.num_preemptions:
             break
         step(core)
-    assert b.num_preemptions == 1 and b.status.value == "preempted"
+    assert b.num_preemptions == 1 and b.status.value == "preempted" and not b.cpu_block_ids
     saved_b = [blk for call in tier.save_calls for blk in call if blk.token_ids[0] >= 50]
     assert saved_b and len(saved_b) >= 2  # its prompt's 2 blocks at least
     while "B" not in tier.loads:  # on resume, the block past its pool hit is on disk
@@ -288,36 +294,3 @@ def test_a_long_running_request_saves_its_decoded_blocks_in_groups():
     assert [b.block_id for b in tier.save_calls[1]] == a.block_ids[2:2 + DECODE_NOTE_BLOCKS]
     while core.has_unfinished():
         step(core)
-
-
-def test_a_preemption_that_finds_swap_space_full_spills_to_disk_and_reads_back():
-    tier = FakeDiskTier()
-    runner = NullRunner(8, num_swap_blocks=0, max_model_len=512,
-                        token_fn=lambda rid, pos: 100 + pos)
-    cfg = EngineConfig(
-        cache=CacheConfig(block_size=BS, kv_watermark_low=1.0, kv_watermark_high=1.0,
-                          kv_watermark_critical=1.0),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16,
-                                  preemption_mode="swap"))
-    core = EngineCore(cfg, runner, disk=tier)
-    a, b = req("A", list(range(1, 9)), 12), req("B", list(range(50, 58)), 12)
-    core.add_request(a)
-    core.add_request(b)
-    for _ in range(200):
-        if b.num_preemptions:
-            break
-        step(core)
-    # no swap space left: B's KV went to disk instead of CPU swap blocks
-    assert b.num_preemptions == 1 and b.status.value == "preempted" and not b.cpu_block_ids
-    spilled = {blk.digest for call in tier.save_calls for blk in call if blk.token_ids[0] >= 50}
-    assert len(spilled) >= 2
-    while "B" not in tier.loads:
-        step(core)
-    while not a.is_finished:
-        step(core)
-    tier.complete("B")
-    step(core)
-    assert core.stats().prefix_disk_hits > 0
-    while core.has_unfinished():
-        step(core)
-    assert len(b.output_token_ids) == 12 and core.scheduler.pool.usage == 0.0
