@@ -1,21 +1,26 @@
 """`conveyor serve --replicas N`: bring Ray up, deploy the application, serve, drain.
 
+    0. The gate (service.cluster.gate) listens on --host:--port before Ray starts, so
+       /health answers at once: 503 "starting" with a reason until the Ingress answers,
+       then everything is relayed to Serve's proxy.
     1. Ray: join --ray-address, else a Ray instance already running on this machine
        (`ray start --head`), else start a local one (no dashboard: it costs CPU).
-    2. Serve's HTTP proxy on --host:--port, then the application (service.cluster.app):
-       N EngineReplica replicas, each loading the model, and the Ingress.
+    2. Serve's HTTP proxy on 127.0.0.1:<a free port> behind the gate, then the
+       application (service.cluster.app): N EngineReplica replicas, each loading the
+       model, and the Ingress.
     3. Wait until the ingress has heard from a replica (`Ingress.wait_ready`: a socket
        opened before is closed with 1013), print the URL; serve until SIGTERM / SIGINT.
     4. Drain like `conveyor serve`: /health 503, new requests `shutting_down`, requests
        in flight get --shutdown-timeout seconds (a second signal cancels them at once),
-       sockets close with 1001; then the application is deleted, and Serve and Ray are
-       shut down if this command started them.
+       sockets close with 1001; then the gate stops listening, the application is
+       deleted, and Serve and Ray are shut down if this command started them.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -52,27 +57,57 @@ def routing_note(c: ClusterConfig) -> str:
             f"replica must hold to win by affinity)")
 
 
+def free_local_port() -> int:
+    """A free TCP port on 127.0.0.1 (for Serve's proxy behind the gate)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def proxy_address(requested: int) -> tuple[str, int]:
+    """Where Serve's proxy listens: the options it runs with (a Serve that was already
+    running keeps its own), else the port asked for."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        host = "127.0.0.1" if http.host in ("0.0.0.0", "", None) else http.host
+        return ("::1" if host == "::" else host), int(http.port)
+    except Exception:  # private API: fall back to what was asked
+        return "127.0.0.1", requested
+
+
 def serve_cluster(a: argparse.Namespace) -> int:
     """Run the cluster until a signal; 0 on a clean stop. Raises ValueError for bad flags."""
-    import ray
-    from ray import serve
-
     from service.cli import engine_config, server_config
     from service.cluster.config import cluster_config
-    from service.cluster.app import build_app
+    from service.cluster.gate import GateThread
 
     engine, net, cluster = engine_config(a), server_config(a), cluster_config(a)
-    if net.port == 0:
-        raise ValueError("--port 0 is not supported with --replicas: Ray Serve's proxy needs "
-                         "a fixed port")
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         (force if stop.is_set() else stop).set()
 
-    started = start_ray(a.ray_address)
+    gate = GateThread(net, cluster.num_replicas)  # raises OSError: the port is taken
+    host = f"[{net.host}]" if ":" in net.host else net.host
+    print(f"conveyor: listening on http://{host}:{gate.port} (/health says 503 "
+          "\"starting\" until every replica is ready); starting Ray ...", flush=True)
+    import ray  # seconds of imports: after the port answers
+    from ray import serve
+
+    from service.cluster.app import build_app
+    started = False
     try:
-        serve.start(http_options={"host": net.host, "port": net.port})
+        started = start_ray(a.ray_address)
+        gate.set_reason("starting: Ray Serve is starting")
+        requested = free_local_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": requested})
+        proxy = proxy_address(requested)
+        health = cluster.route_prefix.rstrip("/") + "/health"
+        gate.set_reason(f"starting: deploying the application; the engine replicas are "
+                        f"loading the model (0 of {cluster.num_replicas} ready)")
+        gate.open_when_answering(proxy, health)
         scaling = (f"autoscaling {cluster.min_replicas}..{cluster.max_replicas}"
                    if cluster.autoscaling else f"{cluster.num_replicas}")
         print(f"conveyor: deploying {scaling} replicas of "
@@ -84,10 +119,11 @@ def serve_cluster(a: argparse.Namespace) -> int:
         failed = handle.wait_ready.remote().result()
         if failed is not None:
             raise RuntimeError(failed)
-        host = f"[{net.host}]" if ":" in net.host else net.host
-        print(f"conveyor: serving at ws://{host}:{net.port}/v1/stream "
-              f"(Ray Serve application {cluster.app_name!r})", flush=True)
-        print(f"conveyor: health at http://{host}:{net.port}/health", flush=True)
+        gate.open(proxy)
+        print(f"conveyor: serving at ws://{host}:{gate.port}/v1/stream "
+              f"(Ray Serve application {cluster.app_name!r}; its proxy at "
+              f"{proxy[0]}:{proxy[1]}, behind the gate)", flush=True)
+        print(f"conveyor: health at http://{host}:{gate.port}/health", flush=True)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, on_signal)
         while not stop.wait(0.5):
@@ -108,9 +144,10 @@ def serve_cluster(a: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            gate.close()
             if started:
                 serve.shutdown()
-            else:
+            elif ray.is_initialized():
                 serve.delete(cluster.app_name)
         finally:
             ray.shutdown()

@@ -32,7 +32,6 @@ def test_replicas_without_the_extra_is_one_line_with_the_install_hint(monkeypatc
     (["--replicas", "2", "--min-replicas", "1"], "min_replicas/max_replicas"),
     (["--replicas", "2", "--num-cpus-per-replica", "0"], "num_cpus_per_replica"),
     (["--replicas", "2", "--match-rate-threshold", "0"], "match_rate_threshold"),
-    (["--replicas", "2", "--port", "0"], "--port 0"),
 ])
 @pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed")
 def test_bad_cluster_flags_fail_before_ray_starts(flags, field, capsys):
