@@ -67,6 +67,7 @@ async def _serve(a: argparse.Namespace) -> None:
     A signal while loading stops at once: the load runs in a worker thread that cannot be
     interrupted, so the process exits without waiting for it (nothing is in flight)."""
     from service.engine import Engine
+    from service.gc_heap import freeze_startup_heap
     from service.server import ConveyorServer
 
     net = server_config(a)
@@ -95,6 +96,7 @@ async def _serve(a: argparse.Namespace) -> None:
         await engine.close()
         raise
     try:
+        freeze_startup_heap("conveyor serve")  # before the first request: no stall later
         server.attach(engine)
         mode = f" ({cfg.model.quantization})" if cfg.model.quantization not in (None, "auto") \
             else ""

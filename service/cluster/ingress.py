@@ -35,6 +35,7 @@ from service.cluster.remote_engine import RemoteEngine
 from service.front.starting import StartingApp
 from service.config import ServerConfig
 from service.front.app import Front, build_app
+from service.gc_heap import freeze_startup_heap
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +85,7 @@ class Ingress:
         metrics.track_in_flight(lambda: engine.num_unfinished)
         front = build_app(engine, self.config, refuse_while_draining=True)
         self.metrics, self.engine, self.front = metrics, engine, front
+        freeze_startup_heap("ingress")
         log.info("ingress_ready", model=info.model_name, deployment=self._deployment)
 
     async def wait_ready(self) -> str | None:

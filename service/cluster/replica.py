@@ -29,6 +29,7 @@ from protocol import Done, ProtocolError
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.config import EngineConfig
 from service.engine import Engine
+from service.gc_heap import freeze_startup_heap
 from service.request_stream import Event
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,7 @@ class EngineReplica:
 
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.engine = await Engine(engine_config).start()
+        freeze_startup_heap("engine replica")  # a process of its own, serving until it ends
         log.info("replica_ready", replica_id=self.replica_id, model=self.engine.model_name,
                  num_threads=engine_config.model.num_threads)
 

@@ -111,6 +111,8 @@ async def test_sigterm_drains_cancels_after_timeout_closes_1001_exits_0():
     stdout, stderr = "".join(server.stdout), "".join(server.stderr)
     events = [json.loads(ln)["event"] for ln in stderr.splitlines() if ln.startswith("{")]
     assert "shutdown_started" in events and "shutdown_cancelling" in events
+    # the start-up heap was frozen before the first request (service/gc_heap.py)
+    assert events.index("gc_heap_frozen") > events.index("engine_ready")
     assert events.index("shutdown_finished") > events.index("shutdown_cancelling")
     assert "conveyor: stopped" in stdout and "Traceback" not in stderr
 
