@@ -34,6 +34,7 @@ from service.bench.cpu_hog import CpuHog
 from service.bench.engine_runs import (SECTIONS, RunStats, Scenario, DecodeRun, PrefillRun,
                                        text_tokens, summarize)
 from service.config import CacheConfig, EngineConfig, ModelConfig
+from service.gc_heap import freeze_startup_heap
 from service.worker.cpu_threads import default_num_threads
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model_runner import ModelRunner
@@ -158,9 +159,12 @@ def _format(results: dict[str, dict[str, dict[str, object]]]) -> str:
     return "\n".join(lines)
 
 
-def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, object]:
+def run(argv: Sequence[str], loaded: LoadedModel | None = None,
+        freeze_heap: bool = False) -> dict[str, object]:
     """Run the benchmark; returns the report (also printed). `loaded`: a checkpoint already
-    in memory (else --model is loaded). Raises ValueError for bad arguments."""
+    in memory (else --model is loaded); `freeze_heap`: freeze the heap once every runner is
+    built, as a serving process does (service/gc_heap.py; the CLI's own process only).
+    Raises ValueError for bad arguments."""
     a, models, threads, scenarios = _parse(argv)
     load_before = os.getloadavg()
     loaded = loaded or load_model(a.model, torch.float32)
@@ -178,6 +182,8 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, obj
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0))
         runners[(q, k, bi, f)] = ModelRunner(cfg, loaded)
+    if freeze_heap:
+        freeze_startup_heap("engine-only bench")
 
     def label(m: tuple[str | None, str, bool, str], t: int | str) -> str:
         # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/unfused/2t"; the kernel is the
@@ -249,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (`scripts/bench --engine-only ...`). Returns 0, or 2 for bad arguments."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        report = run(argv)
+        report = run(argv, freeze_heap=True)
     except (ValueError, FileNotFoundError) as e:
         print(f"engine-only bench: {e}", file=sys.stderr)
         return 2
