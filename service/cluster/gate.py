@@ -26,18 +26,24 @@ other side (asyncio flow control), so a client that stops reading backs up to th
 Ingress, which drops it as the single-process front does. The Ingress sees the peer
 address 127.0.0.1 (only its logs use it).
 
-Runs its own event loop on a thread (`GateThread`), because the launcher's main thread
-blocks in Ray calls.
+Runs in a process of its own (`GateProcess`): the launcher's main thread blocks in Ray
+calls and holds the GIL for seconds while it imports and starts Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import uvicorn
@@ -278,62 +284,121 @@ async def _answers(addr: Address, path: str) -> bool:
     return head.split(b" ", 2)[1:2] in ([b"200"], [b"503"]) and b'"status"' in body
 
 
-class GateThread:
-    """A Gate on its own thread and event loop, driven from synchronous code.
+class GateProcess:
+    """A Gate in a process of its own, driven from the launcher's synchronous code.
 
-        gate = GateThread(server_config, expected_replicas=2)   # listening on return
+        gate = GateProcess(server_config, expected_replicas=2)   # listening on return
         gate.set_reason("starting: deploying ...")
         gate.open_when_answering(("127.0.0.1", proxy_port))
         gate.close()
 
-    Raises OSError (the port is taken) from the constructor.
+    A process, not a thread: the launcher's main thread holds the GIL for seconds at a
+    time while it imports Ray and starts it, and a gate on a thread there missed 1-s
+    answers (measured: a poll timed out at 1 s about 6 s into start-up). The process is
+    `python -m service.cluster.gate`; its settings (the API key included, never on a
+    command line) and then its commands go as JSON lines on its stdin, and it ends at
+    `close()` or when its stdin closes (the launcher died). It ignores SIGINT, so a
+    Ctrl-C in the terminal leaves it answering while the launcher drains.
+
+    Raises OSError (the port is taken, or the gate could not start) from the constructor.
     """
 
     def __init__(self, config: ServerConfig, expected_replicas: int) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cluster.gate"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[2]),
+                 os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+        self._send({"host": config.host, "port": config.port, "api_key": config.api_key,
+                    "allowed_origins": list(config.allowed_origins),
+                    "expected_replicas": expected_replicas})
+        assert self._proc.stdout is not None
+        answer = self._proc.stdout.readline().strip()
+        if not answer.startswith("port "):
+            self._proc.kill()
+            self._proc.wait()
+            raise OSError(f"the gate could not listen on {config.host}:{config.port}: "
+                          f"{answer.removeprefix('error ') or 'it exited'}")
+        self.port = int(answer.split()[1])
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc.stdin is not None
         try:
-            import uvloop
-            self.loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        except ImportError:
-            self.loop = asyncio.new_event_loop()
-        self.gate = Gate(config, expected_replicas)
-        self._thread = threading.Thread(target=self.loop.run_forever, name="conveyor-gate",
-                                        daemon=True)
-        self._thread.start()
-        try:
-            self._call(self.gate.start())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    def _call(self, coro: Any, timeout: float | None = 30.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def _soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    @property
-    def port(self) -> int:
-        return self.gate.port
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the gate is gone: nothing to tell it
+            pass
 
     def set_reason(self, reason: str, failed: bool = False) -> None:
         """What the local answers say from now on."""
-        def apply() -> None:
-            self.gate.reason, self.gate.failed = reason, failed
-        self._soon(apply)
+        self._send({"reason": reason, "failed": failed})
 
     def open(self, proxy: Address) -> None:
-        self._soon(self.gate.open, proxy)
+        self._send({"open": list(proxy)})
 
     def open_when_answering(self, proxy: Address, health_path: str = "/health") -> None:
-        self._soon(self.gate.open_when_answering, proxy, health_path)
+        self._send({"probe": list(proxy), "path": health_path})
 
-    def close(self) -> None:
-        """Stop listening, then stop the thread."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop listening and end the process."""
+        self._send({"close": True})
         try:
-            self._call(self.gate.close())
-        finally:
-            self._stop_loop()
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
-    def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+
+async def _serve(settings: dict[str, Any]) -> None:
+    """The gate process: listen, print "port N", obey stdin's commands until close/EOF."""
+    config = ServerConfig(host=settings["host"], port=settings["port"],
+                          api_key=settings.get("api_key"),
+                          allowed_origins=tuple(settings.get("allowed_origins", ())))
+    try:
+        gate = await Gate(config, int(settings["expected_replicas"])).start()
+    except OSError as e:
+        print(f"error {e}", flush=True)
+        return
+    print(f"port {gate.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    def command(message: dict[str, Any] | None) -> None:
+        if message is None or message.get("close"):
+            done.set()
+        elif "reason" in message:
+            gate.reason, gate.failed = message["reason"], bool(message.get("failed"))
+        elif "open" in message:
+            gate.open(tuple(message["open"]))  # type: ignore[arg-type]
+        elif "probe" in message:
+            gate.open_when_answering(tuple(message["probe"]),  # type: ignore[arg-type]
+                                     message.get("path", "/health"))
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                loop.call_soon_threadsafe(command, json.loads(line))
+        loop.call_soon_threadsafe(command, None)  # EOF: the launcher is gone
+
+    threading.Thread(target=read_stdin, name="conveyor-gate-stdin", daemon=True).start()
+    await done.wait()
+    await gate.close()
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
+    settings = json.loads(sys.stdin.readline())
+    try:
+        import uvloop
+        uvloop.run(_serve(settings))
+    except ImportError:
+        asyncio.run(_serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -81,7 +81,7 @@ def serve_cluster(a: argparse.Namespace) -> int:
     """Run the cluster until a signal; 0 on a clean stop. Raises ValueError for bad flags."""
     from service.cli import engine_config, server_config
     from service.cluster.config import cluster_config
-    from service.cluster.gate import GateThread
+    from service.cluster.gate import GateProcess
 
     engine, net, cluster = engine_config(a), server_config(a), cluster_config(a)
     stop, force = threading.Event(), threading.Event()
@@ -89,7 +89,7 @@ def serve_cluster(a: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         (force if stop.is_set() else stop).set()
 
-    gate = GateThread(net, cluster.num_replicas)  # raises OSError: the port is taken
+    gate = GateProcess(net, cluster.num_replicas)  # raises OSError: the port is taken
     host = f"[{net.host}]" if ":" in net.host else net.host
     print(f"conveyor: listening on http://{host}:{gate.port} (/health says 503 "
           "\"starting\" until every replica is ready); starting Ray ...", flush=True)

@@ -228,11 +228,16 @@ async def _a_reader_that_stops_backs_up_to_the_upstream(gate):
         server.close()
 
 
-def test_the_thread_wrapper_as_the_launcher_drives_it():
+def test_the_gate_process_as_the_launcher_drives_it():
+    """GateProcess: its own process, so the launcher's GIL never delays an answer; it
+    ignores SIGINT (the launcher drains first), refuses a taken port with OSError, and
+    ends at close() or when its stdin closes."""
+    import os
+    import signal
     import urllib.error
     import urllib.request
 
-    from service.cluster.gate import GateThread
+    from service.cluster.gate import GateProcess
 
     def health(port: int) -> tuple[int, dict]:
         try:
@@ -241,15 +246,24 @@ def test_the_thread_wrapper_as_the_launcher_drives_it():
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    gate = GateThread(ServerConfig(host="127.0.0.1", port=0), expected_replicas=3)
+    gate = GateProcess(ServerConfig(host="127.0.0.1", port=0), expected_replicas=3)
     try:
         assert health(gate.port) == (503, {"status": "starting", "reason":
                                            "starting: Ray is starting", "replicas": 0,
                                            "expected_replicas": 3})
         gate.set_reason("starting: deploying the application")
-        time.sleep(0.05)
+        time.sleep(0.2)
         assert health(gate.port)[1]["reason"] == "starting: deploying the application"
+        os.kill(gate._proc.pid, signal.SIGINT)  # a Ctrl-C reaches the whole group
+        time.sleep(0.3)
+        assert gate._proc.poll() is None and health(gate.port)[0] == 503
+        with pytest.raises(OSError, match="could not listen"):
+            GateProcess(ServerConfig(host="127.0.0.1", port=gate.port), 1)
     finally:
         gate.close()
+    assert gate._proc.returncode == 0
     with pytest.raises(OSError):  # no longer listening
         socket.create_connection(("127.0.0.1", gate.port), timeout=1).close()
+    orphan = GateProcess(ServerConfig(host="127.0.0.1", port=0), 1)
+    orphan._proc.stdin.close()  # the launcher died: stdin's EOF ends the gate
+    assert orphan._proc.wait(10) == 0
