@@ -3,12 +3,13 @@ answers from the first moment of start-up (issue 23, item 2).
 
 Ray Serve's HTTP proxy cannot answer early: it binds its port only once Ray is up (about
 15 s here), and it holds a request whose route is published while the Ingress replica
-is still starting (5 s measured) instead of answering. So the launcher binds the port
-itself before Ray starts and relays each TCP connection whole to one upstream, chosen
-when the connection is accepted:
+is still starting (5 s measured) instead of answering. So the launcher first starts this
+gate, which binds the port before Ray starts and relays each TCP connection whole to one
+upstream, chosen when the connection is accepted:
 
-    before the Ingress answers   a uvicorn server on 127.0.0.1:<free port> in this
-                                 process running StartingApp (service/front/starting.py):
+    before the Ingress answers   a uvicorn server on 127.0.0.1:<free port> in the
+                                 gate's process, running StartingApp
+                                 (service/front/starting.py):
                                  /health 503 {"status": "starting", "reason": ...,
                                  "replicas": 0, "expected_replicas": N}, sockets 1013,
                                  the HTTP API 503 model_loading with Retry-After. Every
@@ -33,7 +34,6 @@ calls and holds the GIL for seconds while it imports and starts Ray.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -42,7 +42,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.auth import AccessPolicy
 from service.config import ServerConfig
+from service.front.server import SignalFreeServer
 from service.front.starting import StartingApp
 
 CONNECT_TIMEOUT_S = 1.0
@@ -146,12 +146,6 @@ class _ConnectionClose:
         await self.app(scope, receive, send if scope["type"] != "http" else closing)
 
 
-class _Quiet(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # the launcher owns the signals
-        yield
-
-
 class Gate:
     """Listens on `config.host:config.port` (port 0: a free one) and relays as above.
 
@@ -171,7 +165,7 @@ class Gate:
         self.upstream: Address | None = None  # None: the local server
         self.relayed = 0  # connections relayed to the upstream so far
         self._local: Address | None = None
-        self._local_server: _Quiet | None = None
+        self._local_server: SignalFreeServer | None = None
         self._local_task: asyncio.Task[None] | None = None
         self._listener: asyncio.Server | None = None
         self._port: int | None = None
@@ -191,9 +185,9 @@ class Gate:
         local.setblocking(False)
         self._local = local.getsockname()[:2]
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        server = _Quiet(uvicorn.Config(_ConnectionClose(starting), lifespan="off",
-                                       log_config=None, access_log=False,
-                                       server_header=False, ws_per_message_deflate=False))
+        server = SignalFreeServer(uvicorn.Config(
+            _ConnectionClose(starting), lifespan="off", log_config=None, access_log=False,
+            server_header=False, ws_per_message_deflate=False))
         self._local_server = server
         self._local_task = asyncio.create_task(server.serve(sockets=[local]),
                                                name="conveyor-gate-local")

@@ -41,9 +41,12 @@ from service.socket_actor import SocketActor
 log = structlog.get_logger(__name__)
 
 
-class _Server(uvicorn.Server):
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn's server without its signal handling: the process's own code owns SIGTERM
+    and SIGINT (the CLI here, the launcher's gate in service/cluster/gate.py)."""
+
     @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:  # the CLI handles signals
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -77,7 +80,7 @@ class FrontServer:
                                      self._starting_state,
                                      lambda: self.front.app if self.front is not None else None)
         self._sock: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: SignalFreeServer | None = None
         self._task: asyncio.Task[None] | None = None
 
     def _starting_state(self) -> tuple[str, bool, dict[str, Any]]:
@@ -121,7 +124,7 @@ class FrontServer:
             access_log=False, timeout_graceful_shutdown=c.close_timeout,
             server_header=False)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-        self._server = server = _Server(config)
+        self._server = server = SignalFreeServer(config)
         self._task = asyncio.create_task(server.serve(sockets=[sock]), name="conveyor-front")
         while not server.started:
             if self._task.done():
