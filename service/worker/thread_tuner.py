@@ -13,15 +13,19 @@ steps, does not age its timers; tests drive it with made-up step times):
 - STEADY at n threads. Each step's wall time is remembered per token-count bucket
   (tokens.bit_length(): 1, 2-3, 4-7, ... tokens) as an exponential moving average.
 - A PROBE compares n with a candidate c = n - 1 or n + 1 (within [min, max]) in
-  interleaved blocks, c n c n, of `probe_steps` steps each (the first step of each
+  interleaved blocks, n c n c, of `probe_steps` steps each (the first step of each
   block is not counted: the OpenMP team resizes in it). Interleaving cancels the slow
-  drift of the batch (contexts grow, requests come and go).
+  drift of the batch (contexts grow, requests come and go). A timed probe runs n's block
+  first, c n c n's mirror, so that the candidate's steps have a reference even at start-up
+  or in a bucket never seen before (a first probe that began with c on 512-token prefill
+  steps ran four of them at one thread, each twice as long: 5 s lost in a 27 s
+  benchmark); a probe started by a slowdown (below) runs c first, since n is known slow.
 - The verdict compares the two arms within each bucket both saw (median step time of c
   over that of n, geometric mean over buckets weighted by samples); c is adopted only
   when it is faster by more than `margin` (hysteresis: a near-tie keeps n).
-- Fail fast: a candidate step `abort_slowdown` x slower than n's average for its bucket
-  ends the probe at once with n kept, so probing a count that collapses costs one step,
-  not half the probe.
+- Fail fast: a candidate step `abort_slowdown` x slower than n's time for its bucket (its
+  median in this probe, else its steady average) ends the probe at once with n kept, so
+  probing a count that collapses costs one step, not half the probe.
 - When: the first step starts a probe; then each direction has its own timer. A probe
   that keeps n doubles that direction's interval (up to `max_interval_s`), so a machine
   that stays the same is probed less and less, and stretches it further so that the
@@ -145,7 +149,8 @@ class ThreadTuner:
         if counted:
             p.samples.setdefault(threads, {}).setdefault(b, []).append(seconds)
         p.step += 1
-        base = self._baseline.get(b)
+        mine = p.samples.get(self.current, {}).get(b)
+        base = statistics.median(mine) if mine else self._baseline.get(b)
         if threads == p.candidate and base is not None:
             p.lost_s += seconds - base
         if threads == p.candidate and base is not None and seconds > self.s.abort_slowdown * base:
@@ -163,7 +168,7 @@ class ThreadTuner:
             self._slow_streak += 1
             if self._slow_streak >= self.s.trigger_steps and self.current > self.min_threads:
                 self._slow_streak = 0
-                self._start(self.current - 1)
+                self._start(self.current - 1, candidate_first=True)
                 return
         else:
             self._slow_streak = 0
@@ -177,12 +182,13 @@ class ThreadTuner:
         if due:
             self._start(self.current + min(due)[1])
 
-    def _start(self, candidate: int) -> None:
+    def _start(self, candidate: int, candidate_first: bool = False) -> None:
         k = self.s.probe_steps
         plan: list[int] = []
         counted: list[bool] = []
+        order = (candidate, self.current) if candidate_first else (self.current, candidate)
         for _ in range(self.s.blocks):
-            for n in (candidate, self.current):
+            for n in order:
                 plan += [n] * k
                 counted += [False] + [True] * (k - 1)
         self._probe = _Probe(candidate, plan, counted)

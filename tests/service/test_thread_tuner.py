@@ -42,7 +42,7 @@ def test_a_probe_interleaves_blocks_and_adopts_a_faster_candidate() -> None:
     tuner = ThreadTuner(2)
     # a busy neighbour: 2 threads take 150 ms a step, 1 thread 50 ms
     used = run_steps(tuner, lambda n, t: 0.150 if n == 2 else 0.050, 16)
-    assert used == [1] * 4 + [2] * 4 + [1] * 4 + [2] * 4  # c n c n, starting at once
+    assert used == [2] * 4 + [1] * 4 + [2] * 4 + [1] * 4  # n c n c, starting at once
     assert tuner.current == 1 and not tuner.probing
     (when, was, now, ratio), = tuner.history
     assert tuner.observe(0.05, 1) is None  # steady steps decide nothing
@@ -56,7 +56,9 @@ def test_a_near_tie_keeps_the_count_and_backs_off() -> None:
     step = lambda n, t: 0.100 if n == 2 else 0.095   # 1 thread only 5% faster: < margin
     probes_at = []
     for _ in range(400):
-        if not tuner.probing and tuner.threads_for_next_step() != tuner.current:
+        probing = tuner.probing
+        tuner.threads_for_next_step()  # starts a due probe
+        if tuner.probing and not probing:
             probes_at.append(round(tuner.busy_s, 1))
         run_steps(tuner, step, 1)
     assert tuner.current == 2 and all(was == now for _, was, now, _ in tuner.history)
@@ -144,4 +146,16 @@ def test_a_costly_failed_probe_waits_long_enough_to_stay_within_its_budget() -> 
     used = run_steps(tuner, busy, 700)              # 350 s of steps
     ups = [i for i, n in enumerate(used) if n == 2]
     assert len(ups) == 2                            # after 2 s, then 225 s later
-    assert (ups[1] - ups[0]) * 0.5 == pytest.approx(4.5 / 0.02, abs=1.0)
+    # (plus the probe's first block, 4 steps at 1 thread, before its step at 2)
+    assert (ups[1] - ups[0]) * 0.5 == pytest.approx(4.5 / 0.02 + 4 * 0.5, abs=1.0)
+
+
+def test_the_start_up_probe_on_long_prefill_steps_costs_one_step() -> None:
+    """The first probe starts at the first step, with no steady average yet: on 512-token
+    steps where one thread is twice as slow, it runs n's block first and aborts at the
+    candidate's first step (it once ran four such steps at one thread: 5 s lost)."""
+    tuner = ThreadTuner(2)
+    used = run_steps(tuner, lambda n, t: 1.25 if n == 2 else 2.5, 12, tokens=512)
+    assert used[:6] == [2, 2, 2, 2, 1, 2] and used[5:] == [2] * 7
+    _, was, now, ratio = tuner.history[-1]
+    assert (was, now) == (2, 2) and ratio == pytest.approx(2.0)
