@@ -40,7 +40,8 @@ VARIANTS: dict[str, CppKernel] = {
                       frozenset({"avx2", "fma", "f16c"})),
 }
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
-FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6}
+FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6,
+                "q4_1x16": 7, "q8_0x16": 8}
 """``conveyor_qlinear``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass their
 fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const float*``."""
 

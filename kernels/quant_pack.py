@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Seven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Nine formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -17,7 +17,10 @@ Seven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 - ``q4_1x8``, ``q8_0x8``: q4_1's and q8_0's weights, with x quantized to int8 per row and
   group (``quantize_activations``) and multiplied in integers (llama.cpp's AVX2 dot
   products over Q8 activation blocks): not the fp32 product of the weights, but within
-  int8 rounding of it.
+  int8 rounding of it;
+- ``q4_1x16``, ``q8_0x16``: the same with x quantized to int16 per row and group (rounding
+  of at most 2^-16 of the group's largest |x|) and multiplied with ``vpmaddwd``: twice
+  fp32's multiply-adds an instruction, for compute-bound (many-row) calls.
 
 q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
 ``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
@@ -35,13 +38,20 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8")
-HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8")
+FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
+HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
 """Formats whose scale (and min) tensors are float16."""
 ACT8_FORMATS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}
 """Formats that quantize the activations to int8 per row and weight group (as llama.cpp's
 Q8 activation blocks), over the weights of the format named: the same packed tensors
 (``with_int8_activations``). See ``quantize_activations``."""
+ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
+"""The same with int16 activations (``with_int16_activations``; ``quantize_activations``
+with ``levels=32767``)."""
+ACT_LEVELS = {**{f: 127 for f in ACT8_FORMATS}, **{f: 32767 for f in ACT16_FORMATS}}
+"""The largest |q| of each activation-quantizing format's x."""
+ACT16_MAX_GROUP = 256
+"""int16 activations keep a group's integer sum in int32: at most 256 products of 127 * 32767."""
 PAD = 64
 """Output channels are padded to a multiple of this, and stored in blocks of this many."""
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -292,8 +302,9 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     int8: q * scale (one rounding); int4, q4_1: d * q + min, rounded once (as the kernel's
     fma); q8_0: d * q (exact).
     """
-    if packed.fmt in ACT8_FORMATS:  # the same weights
-        packed = dataclasses.replace(packed, fmt=ACT8_FORMATS[packed.fmt])
+    base = {**ACT8_FORMATS, **ACT16_FORMATS}.get(packed.fmt)
+    if base is not None:  # the same weights
+        packed = dataclasses.replace(packed, fmt=base)
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
     if packed.fmt == "f32":
@@ -315,47 +326,66 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
 def with_int8_activations(packed: PackedWeight) -> PackedWeight:
     """The q4_1 / q8_0 weight `packed` as ``q4_1x8`` / ``q8_0x8`` (int8 activations), sharing
     its tensors. Raises ValueError for another format, or K not a multiple of the group."""
-    fmt = {v: k for k, v in ACT8_FORMATS.items()}.get(packed.fmt)
+    return _with_activations(packed, ACT8_FORMATS, "int8")
+
+
+def with_int16_activations(packed: PackedWeight) -> PackedWeight:
+    """The q4_1 / q8_0 weight `packed` as ``q4_1x16`` / ``q8_0x16`` (int16 activations),
+    sharing its tensors. Raises ValueError for another format, K not a multiple of the group,
+    or a group above ACT16_MAX_GROUP."""
+    if packed.group > ACT16_MAX_GROUP:
+        raise ValueError(f"int16 activations need a group of at most {ACT16_MAX_GROUP}, got "
+                         f"{packed.group}")
+    return _with_activations(packed, ACT16_FORMATS, "int16")
+
+
+def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
+    fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        raise ValueError(f"int8 activations serve q4_1 and q8_0 weights, not {packed.fmt}")
+        raise ValueError(f"{what} activations serve q4_1 and q8_0 weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
-        raise ValueError(f"int8 activations need K ({packed.in_features}) a multiple of an "
+        raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "
                          f"even group ({packed.group})")
     return dataclasses.replace(packed, fmt=fmt)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 (K a multiple of `group`) -> (q [M, K] int8 in [-127, 127],
-    d [M, K / group] float32) with ``x ~= d * q`` per group: d = max |x| / 127 over the
-    group, q = round-half-even(x * (1 / d)), 0 for an all-zero group. The C++ kernel's
-    rounding, bit for bit (fp32 throughout)."""
+def quantize_activations(x: torch.Tensor, group: int,
+                         levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 (K a multiple of `group`) -> (q [M, K] in [-levels, levels], int8 for
+    127 and int16 for 32767, d [M, K / group] float32) with ``x ~= d * q`` per group: d =
+    max |x| / levels over the group, q = round-half-even(x * (1 / d)), 0 for an all-zero
+    group. The C++ kernel's rounding, bit for bit (fp32 throughout). Raises ValueError for
+    another `levels`."""
+    if levels not in (127, 32767):
+        raise ValueError(f"levels must be 127 (int8) or 32767 (int16), got {levels}")
     m, k = x.shape
     xg = x.float().reshape(m, k // group, group)
     amax = xg.abs().amax(-1)
-    d = amax / 127.0
+    d = amax / float(levels)
     inv = torch.where(amax > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xg * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(m, k), d
+    q = torch.round(xg * inv[..., None]).clamp_(-levels, levels)
+    return q.to(torch.int8 if levels == 127 else torch.int16).reshape(m, k), d
 
 
 def quant_linear_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """The torch reference of the kernel: x [M, K] float32 -> [M, N] float32, computed in
     float64 from `unpack(packed)` (so it differs from the kernel by fp32 rounding only).
-    For the int8-activation formats the product is the kernel's: the weight's d * q times
-    the quantized activations, plus (q4_1x8) each group's min times the sum of x itself."""
-    if packed.fmt in ACT8_FORMATS:
-        return _act8_ref(x, packed)
+    For the int8- and int16-activation formats the product is the kernel's: the weight's
+    d * q times the quantized activations, plus (q4_1x8, q4_1x16) each group's min times the
+    sum of x itself."""
+    if packed.fmt in ACT_LEVELS:
+        return _act_ref(x, packed)
     y = x.double() @ unpack(packed).double().t()
     if packed.bias is not None:
         y += packed.bias[:packed.out_features].double()
     return y.float()
 
 
-def _act8_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+def _act_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     n, k, g = packed.out_features, packed.in_features, packed.group
-    q, d = quantize_activations(x, g)
+    q, d = quantize_activations(x, g, ACT_LEVELS[packed.fmt])
     xq = (q.double().reshape(-1, k // g, g) * d.double()[..., None]).reshape(-1, k)
-    base = dataclasses.replace(packed, fmt=ACT8_FORMATS[packed.fmt])
+    base = dataclasses.replace(packed, fmt={**ACT8_FORMATS, **ACT16_FORMATS}[packed.fmt])
     y = torch.zeros(x.shape[0], n, dtype=torch.float64)
     if base.minv is not None:  # W = d q + min: the min term over x itself
         g_of_k = torch.arange(k) // g

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kernels import quant_linear_cpu as qlc
-from kernels.quant_pack import (ACT8_FORMATS, FORMATS, PackedWeight, pack_f32, pack_int4,
+from kernels.quant_pack import (ACT8_FORMATS, ACT16_FORMATS, FORMATS, PackedWeight, pack_f32, pack_int4,
                                 pack_int8, pack_q4_1, pack_q4_1_blocks, pack_q8_0,
                                 pack_q8_0_blocks, quant_linear_ref, quantize_activations,
-                                quantize_int4, unpack, with_int8_activations)
+                                quantize_int4, unpack, with_int8_activations,
+                                with_int16_activations)
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
     qlc.isa_problem(isa) is not None, reason=f"{isa} build unavailable: {qlc.isa_problem(isa)}"))
@@ -23,9 +24,11 @@ ROWS = [1, 7, 16, 64, 300]
 
 
 def _pack(fmt: str, w: torch.Tensor, b: torch.Tensor | None, group: int = 32) -> PackedWeight:
-    if fmt in ACT8_FORMATS:  # int8 activations over q4_1 / q8_0 weights
+    if fmt in ACT8_FORMATS or fmt in ACT16_FORMATS:  # int8 / int16 activations, q4_1 / q8_0
         if w.shape[1] % group:
             pytest.skip(f"{fmt} needs K a multiple of the group ({w.shape[1]}, {group})")
+        if fmt in ACT16_FORMATS:
+            return with_int16_activations(_pack(ACT16_FORMATS[fmt], w, b, group))
         return with_int8_activations(_pack(ACT8_FORMATS[fmt], w, b, group))
     if fmt == "f32":
         return pack_f32(w, b)
@@ -273,3 +276,56 @@ def test_act8_refuses_k_that_is_not_a_multiple_of_the_group(isa) -> None:
     forced = dataclasses.replace(base, fmt="q4_1x8")  # past the Python check: the kernel's own
     with pytest.raises(ValueError, match="rejected"):
         qlc.quant_linear(x, forced, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(ACT16_FORMATS))
+@pytest.mark.parametrize("group", [32, 64])
+def test_act16_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -> None:
+    """The x16 formats compute the weight's integers times x rounded to int16 per row and
+    group, as the reference does (float64 over the same integers); that product is within
+    int16 rounding of the fp32-activation one (relative error below 1e-4, where int8's is
+    about 0.01), and the same rows give the same bits in every call: 1 to 300 rows, tiles
+    of 6 down to 1, work items of 48 rows and the strip of unpacked weights from 12 rows."""
+    w, b, x = _data(150, 256, max(ROWS), seed=group)
+    x[3, 7] = 60.0  # an outlier channel in one group of one row
+    packed = _pack(fmt, w, b, group)
+    assert packed.fmt == fmt
+    y = qlc.quant_linear(x, packed, isa)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = quant_linear_ref(x, _pack(ACT16_FORMATS[fmt], w, b, group))
+    assert float((y - exact).norm() / exact.norm()) < 1e-4
+    for rows in ROWS + [2, 3, 5, 6, 11, 12, 13, 47, 48, 49, 97]:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # q4_1's / q8_0's weights
+
+
+def test_act16_rounding_of_x_is_as_documented() -> None:
+    """d = max |x| / 32767 per group, q = round-half-even(x / d) in [-32767, 32767] (int16),
+    all-zero groups give d = 0 and q = 0; only 127 and 32767 levels exist."""
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.0, 1.0, 32)
+    x[0, 40] = 0.5
+    q, d = quantize_activations(x, 32, levels=32767)
+    assert q.dtype == torch.int16 and d.shape == (2, 2)
+    assert float(d[0, 0]) == pytest.approx(2.0 / 32767) and int(q[0, 0]) == -32767
+    assert int(q[0, 31]) == round(1.0 / float(d[0, 0])) == 16384
+    assert int(q[0, 40]) == 32767 and int(q[0, 41]) == 0
+    assert bool((d[1] == 0).all()) and bool((q[1] == 0).all())
+    with pytest.raises(ValueError, match="levels"):
+        quantize_activations(x, 32, levels=255)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_act16_refuses_groups_its_int32_sums_cannot_hold(isa) -> None:
+    """A group's integer sum must fit int32: at most 256 products; K a multiple of it."""
+    w, b, x = _data(64, 1024, 2)
+    base = pack_q8_0(w, b, group=512)
+    with pytest.raises(ValueError, match="at most 256"):
+        with_int16_activations(base)
+    forced = dataclasses.replace(base, fmt="q8_0x16")  # past the Python check: the kernel's
+    with pytest.raises(ValueError, match="rejected"):
+        qlc.quant_linear(x, forced, isa)
+    with pytest.raises(ValueError, match="multiple"):
+        with_int16_activations(pack_q4_1(*_data(64, 48, 2)[:2]))

@@ -219,6 +219,13 @@ def test_candidates_per_mode() -> None:
     a8 = {p.name for p in candidates("auto-a8", False)}
     assert {p.name for p in auto} | {"cpp-q4_1x8-avx2", "cpp-q8_0x8-avx2"} <= a8
     assert PATHS["cpp-q4_1x8-avx2"].bound("auto-a8") == 0.04
+    # int16 activations: in auto (and auto-a8) under their own bound, never --batch-invariant
+    x16 = {"cpp-q4_1x16-avx2", "cpp-q8_0x16-avx2"}
+    assert x16 <= {p.name for p in auto} and x16 <= a8
+    assert PATHS["cpp-q4_1x16-avx2"].bound("auto") == 1e-3
+    assert PATHS["cpp-q4_1x16-avx2"].activation_bits == 16
+    assert not any(p.activation_bits < 32 for m in ("auto", "auto-a8") for p in candidates(m, True)
+                   if "x8-" not in p.name)
     with pytest.raises(ValueError, match="mode"):
         candidates("int3", False)
 

@@ -12,6 +12,7 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
 | ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
+| ``cpp-{q4_1,q8_0}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
 | ``{int8,int4,q4_1,q8_0}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
@@ -26,7 +27,12 @@ offered in auto, int8 and int4 for calls of 16 rows and more (``min_rows``) unde
 error bound: it rounds weights and activations to bf16, so where it serves, outputs are
 within bf16 rounding of the checkpoint's, not the same up to summation order. It wins only
 where the CPU computes bf16 in hardware (AMX, AVX512-BF16); elsewhere torch emulates it and
-the timing refuses it.
+the timing refuses it. The ``x16`` paths (the same blocks times int16 activations: a rounding of
+at most 2^-16 of each group's largest |x|, under ACT16_ERROR_BOUND) are offered in auto and
+auto-a8 alike: they multiply twice as many int16 pairs an instruction as fp32 FMAs, so
+compute-bound calls (prefill chunks, big batches) may run faster, and their error is
+about 1000 times below int8 activations' (README, accuracy report). Not in
+--batch-invariant, which keeps the weights' fp32 product.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch.nn.functional as F
 
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import (PackedWeight, pack_f32, pack_int4, pack_int8,
-                                 with_int8_activations)
+                                 with_int8_activations, with_int16_activations)
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.torch_int8 import Int8Linear
@@ -78,6 +84,11 @@ maximum); measured 0.005-0.03 on random rows with an outlier token (AVX2 Zen 3).
 is int8 mode's. On SmolLM2-135M (README, accuracy report) int8 activations on every layer
 cost teacher-forced top-1 agreement 93.9% and perplexity +1.5% (the LM head alone 98.2%),
 so they serve only --quantization auto-a8, never the default."""
+ACT16_ERROR_BOUND = 1e-3
+"""int16 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x16-*`` paths): each x is
+rounded against its group's largest |x| with 2^-16 of it at most; measured 2e-5 - 5e-5
+relative error (norm) against the weights' fp32 product on random rows with an outlier
+token (AVX2 Zen 3), 20 times below this bound, which is 20 times below bf16's."""
 BF16_MIN_ROWS = 16
 """bf16 is offered for calls of this many rows and more: prefill chunks and big batches, where
 the product is compute-bound and AMX pays; decode-sized calls stream weights, where 4-bit
@@ -196,6 +207,7 @@ class LinearPath:
     can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0"; it serves
     only layers that have them), or None (any layer). min_rows: offered for calls of at
     least this many rows. error_bound: its own relative error bound (None: the mode's).
+    activation_bits: what x is rounded to before the product (32: fp32, as given).
     """
 
     name: str
@@ -207,6 +219,7 @@ class LinearPath:
     native: str | None = None
     min_rows: int = 1
     error_bound: float | None = None
+    activation_bits: int = 32
 
     def accepts(self, lw: LayerWeights) -> bool:
         """Whether this path can serve the layer: a native path needs its blocks."""
@@ -254,7 +267,18 @@ def _cpp_act8(fmt: str, isa: str) -> LinearPath:
     auto-a8 only: it is not auto's fp32 product (see ACT8_ERROR_BOUND)."""
     return LinearPath(f"cpp-{fmt}x8-{isa}", "auto-a8", True, False,
                       lambda lw: CppLinear(with_int8_activations(lw.packed_native), isa),
-                      _isa_problem(isa), native=fmt, error_bound=ACT8_ERROR_BOUND)
+                      _isa_problem(isa), native=fmt, error_bound=ACT8_ERROR_BOUND,
+                      activation_bits=8)
+
+
+def _cpp_act16(fmt: str, isa: str) -> LinearPath:
+    """Our kernel over the checkpoint's own q4_1 / q8_0 blocks with x quantized to int16 per
+    row and group of 32 (``quantize_activations(..., levels=32767)``), multiplied with
+    ``vpmaddwd``: the same weights, under ACT16_ERROR_BOUND. Offered in auto and auto-a8."""
+    return LinearPath(f"cpp-{fmt}x16-{isa}", "auto", True, False,
+                      lambda lw: CppLinear(with_int16_activations(lw.packed_native), isa),
+                      _isa_problem(isa), native=fmt, error_bound=ACT16_ERROR_BOUND,
+                      activation_bits=16)
 
 
 def _cpp(fmt: str, isa: str) -> LinearPath:
@@ -289,6 +313,7 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     *[_cpp("q8_0", isa) for isa in qlc.VARIANTS],
     _dequant("q8_0"),
     *[_cpp_act8(fmt, isa) for fmt in _NATIVE for isa in qlc.VARIANTS],
+    *[_cpp_act16(fmt, isa) for fmt in _NATIVE for isa in qlc.VARIANTS],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
                lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND),
 ]}
@@ -301,8 +326,9 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
     int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
     than fp32. auto: every weight-only path over the checkpoint's own weights (``fp32``,
-    ``cpp-f32-*``, the native q4_1 / q8_0 paths; each layer takes those that accept it)
-    and bf16; never an activation-quantizing one. int8 and int4 offer bf16 too; none never.
+    ``cpp-f32-*``, the native q4_1 / q8_0 paths; each layer takes those that accept it),
+    the int16-activation ``x16`` paths over those blocks, and bf16; never int8 activations.
+    int8 and int4 offer bf16 too; none never.
     batch_invariant: only row-invariant paths of one numerics per layer (our C++ kernels of
     the mode's format, fp32 for "none"; in auto the layer's native format, else f32), so
     that a row's output is the same bits whatever else shares the step.
@@ -327,7 +353,7 @@ def _candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
     if batch_invariant:
         if mode in ("auto", "auto-a8"):  # the native format first (one numerics a layer)
             native = [p for p in PATHS.values() if p.native is not None and p.row_invariant
-                      and p.mode in ("auto", mode)]
+                      and p.mode in ("auto", mode) and p.activation_bits != 16]
             native.sort(key=lambda p: p.mode != mode)  # auto-a8: its x8 paths first
             return native + [p for p in PATHS.values() if p.name.startswith("cpp-f32-")]
         fmt = "f32" if mode == "none" else mode
