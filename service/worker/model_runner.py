@@ -356,7 +356,7 @@ class ModelRunner:
         tuner = self.thread_tuner
         if tuner is None or not out.sequences or self.model is None:
             return self._execute(out)
-        n = tuner.threads_for_next_step()
+        n = tuner.threads_for_next_step(out.num_batched_tokens)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)  # this thread's OpenMP team, the C++ kernel's too
         t0 = time.perf_counter()

@@ -92,6 +92,7 @@ class _Probe:
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)  # threads -> bucket -> s
     step: int = 0
     lost_s: float = 0.0                  # candidate steps' time beyond n's average
+    held: bool = False                   # the next step runs at n, off the plan
 
 
 class ThreadTuner:
@@ -126,12 +127,27 @@ class ThreadTuner:
     def probing(self) -> bool:
         return self._probe is not None
 
-    def threads_for_next_step(self) -> int:
-        """The thread count to run the next step with (may start a due probe)."""
+    def threads_for_next_step(self, tokens: int | None = None) -> int:
+        """The thread count to run the next step with (may start a due probe). `tokens`:
+        the step's token count, when known: a candidate step whose bucket has no time of
+        the current count yet (neither in this probe nor steady) runs at the current count
+        instead, off the plan, and gives that reference (a probe begun on the decode steps
+        of a warm-up request once ran the next 512-token prefill steps at one thread, 2x
+        slower, with nothing to abort against)."""
         if self._probe is None:
             self._maybe_start(self.busy_s)
         p = self._probe
-        return self.current if p is None else p.plan[p.step]
+        if p is None:
+            return self.current
+        p.held = (p.plan[p.step] == p.candidate and tokens is not None
+                  and self._reference(p, _bucket(tokens)) is None)
+        return self.current if p.held else p.plan[p.step]
+
+    def _reference(self, p: _Probe, b: int) -> float | None:
+        """The current count's time for bucket b: its median in probe p, else its steady
+        average, else None."""
+        mine = p.samples.get(self.current, {}).get(b)
+        return statistics.median(mine) if mine else self._baseline.get(b)
 
     def observe(self, seconds: float, tokens: int) -> tuple[float, int, int, float | None] | None:
         """Record the step just run (wall seconds, tokens it processed). A probe that has
@@ -145,12 +161,15 @@ class ThreadTuner:
         if p is None:
             self._steady(b, seconds)
             return None
+        if p.held:  # ran at the current count, off the plan: a reference for its bucket
+            p.held = False
+            p.samples.setdefault(self.current, {}).setdefault(b, []).append(seconds)
+            return None
         threads, counted = p.plan[p.step], p.counted[p.step]
         if counted:
             p.samples.setdefault(threads, {}).setdefault(b, []).append(seconds)
         p.step += 1
-        mine = p.samples.get(self.current, {}).get(b)
-        base = statistics.median(mine) if mine else self._baseline.get(b)
+        base = self._reference(p, b)
         if threads == p.candidate and base is not None:
             p.lost_s += seconds - base
         if threads == p.candidate and base is not None and seconds > self.s.abort_slowdown * base:

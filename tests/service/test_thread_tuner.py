@@ -159,3 +159,24 @@ def test_the_start_up_probe_on_long_prefill_steps_costs_one_step() -> None:
     assert used[:6] == [2, 2, 2, 2, 1, 2] and used[5:] == [2] * 7
     _, was, now, ratio = tuner.history[-1]
     assert (was, now) == (2, 2) and ratio == pytest.approx(2.0)
+
+
+def test_a_candidate_step_in_a_bucket_without_a_reference_runs_at_the_current_count() -> None:
+    """A probe begun on a warm-up request's one-token decode steps reaches its candidate
+    block as 512-token prefill steps start: told the next step's tokens, the tuner runs
+    the first such step at the current count (a reference, off the plan), then the
+    candidate, which aborts at once when it is 2x slower. Unaware of the tokens it would run
+    prefill at one thread with nothing to compare against."""
+    # decodes take as long at one thread (memory-bound); prefill twice as long
+    step = lambda n, tokens: 0.015 if tokens == 1 else (1.25 if n == 2 else 2.5)
+    tuner = ThreadTuner(2)
+    used = []
+    for tokens in [1] * 5 + [512] * 8:
+        n = tuner.threads_for_next_step(tokens)
+        tuner.observe(step(n, tokens), tokens)
+        used.append(n)
+    assert used[:5] == [2, 2, 2, 2, 1]          # n's block, then the candidate's, on decodes
+    assert used[5:8] == [2, 1, 2]               # held at 2 (a reference), 1, aborted: back to 2
+    assert used[8:] == [2] * 5 and tuner.current == 2
+    _, was, now, ratio = tuner.history[-1]
+    assert (was, now) == (2, 2) and ratio == pytest.approx(2.0)
