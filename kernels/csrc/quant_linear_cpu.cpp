@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -664,18 +665,34 @@ struct Act16 {
   std::vector<float> d;    // [M, groups] dx
 };
 
+// A group with a NaN or an infinity gets dx = NaN (and qx = 0), so that its outputs are NaN as
+// the fp32 product's would be, and the step loop fails that row instead of sampling garbage.
 inline void quantize_group16(const float* x, int64_t n, float& d_out, int16_t* q) {
   float amax = 0.f;
+  bool bad = false;
   int64_t k = 0;
   if (n % 8 == 0) {
     const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 m = _mm256_setzero_ps();
-    for (; k < n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (; k < n; k += 8) {
+      const __m256 v = _mm256_loadu_ps(x + k);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     alignas(32) float t[8];
     _mm256_store_ps(t, m);
     for (int i = 0; i < 8; ++i) amax = std::max(amax, t[i]);
+    bad = _mm256_movemask_ps(nan) != 0;
   } else {
-    for (; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+    for (; k < n; ++k) {
+      amax = std::max(amax, std::fabs(x[k]));
+      bad = bad || std::isnan(x[k]);
+    }
+  }
+  if (bad || !std::isfinite(amax)) {
+    d_out = std::numeric_limits<float>::quiet_NaN();
+    std::memset(q, 0, static_cast<size_t>(n) * sizeof(int16_t));
+    return;
   }
   const float d = amax / 32767.f, id = amax > 0.f ? 1.f / d : 0.f;
   d_out = d;

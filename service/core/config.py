@@ -53,8 +53,10 @@ class ModelConfig:
     max_model_len: context cap in tokens (prompt + output); None = the model's own.
     quantization: "auto" (the default: the checkpoint's own weights, never re-quantized: a
         GGUF file's Q4_0 / Q4_1 / Q8_0 layers in their own blocks on our kernels, every
-        other layer dense, each served by the fastest weight-only path measured, bf16 among
-        them for many-row calls; CPU float32, elsewhere the same as None), None (dense fp32
+        other layer dense, each served by the fastest path measured: fp32 activations, or
+        int16 ones per row and group of 32 on those blocks (a rounding of 2^-16 of the
+        group's largest |x|), bf16 among them for many-row calls; CPU float32, elsewhere
+        the same as None), None (dense fp32
         weights through F.linear: the correctness oracle), "int8" (int8 weights; each layer
         and row count served by the fastest correct of our C++ kernels, fbgemm's dynamic
         int8, torch._int_mm and fp32, measured on the machine) or "int4" (4-bit group-wise
@@ -101,7 +103,8 @@ class ModelConfig:
     quantization: str | None = option(
         "auto", "linear layers (CPU, float32): auto = the checkpoint's own weights (a GGUF "
         "file's Q4_0/Q4_1/Q8_0 blocks on our kernels, other layers dense), each layer and row "
-        "count on the fastest weight-only kernel measured; none = dense fp32 weights through "
+        "count on the fastest kernel measured (fp32 activations, or int16 ones per group of "
+        "32 on those blocks: 2^-16 rounding); none = dense fp32 weights through "
         "F.linear (the oracle); int8 = int8 weights (the fastest correct of our C++ kernels, "
         "fbgemm, torch._int_mm and fp32, measured per machine and row count); int4 = 4-bit "
         "weights in groups of 32 (our C++ kernels); auto-a8 = auto's weights, int8 "

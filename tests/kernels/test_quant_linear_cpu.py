@@ -329,3 +329,18 @@ def test_act16_refuses_groups_its_int32_sums_cannot_hold(isa) -> None:
         qlc.quant_linear(x, forced, isa)
     with pytest.raises(ValueError, match="multiple"):
         with_int16_activations(pack_q4_1(*_data(64, 48, 2)[:2]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", sorted(ACT16_FORMATS))
+def test_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, fmt) -> None:
+    """A NaN or an infinity in a row's x makes that row's outputs NaN, as the fp32 product's
+    would be (the step loop then fails that row), and leaves the other rows' bits alone."""
+    w, b, x = _data(64, 96, 8)
+    packed = _pack(fmt, w, b)
+    clean = qlc.quant_linear(x, packed, isa)
+    x[2, 5], x[5, 40] = float("nan"), float("inf")
+    y = qlc.quant_linear(x, packed, isa)
+    assert bool(y[2].isnan().all()) and not bool(y[5].isfinite().any())
+    keep = [0, 1, 3, 4, 6, 7]
+    assert torch.equal(y[keep], clean[keep])

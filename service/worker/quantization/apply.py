@@ -77,8 +77,9 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
 
     mode: "none" (fp32 weights; batch invariance only), "int8", "int4", "auto" (the
         checkpoint's own weights: `gguf`'s native blocks where given and verified, else
-        the dense weights, on the fastest weight-only path measured) or "auto-a8" (auto's
-        weights, int8-activation paths among the candidates).
+        the dense weights, on the fastest path measured: fp32 activations, or int16 ones
+        on the blocks) or "auto-a8" (auto's weights, int8-activation paths among the
+        candidates).
     gguf: auto on a GGUF file: its layers in their own block formats.
     fused_rows: row buckets up to this size prefer C++ kernels the fused forward can call
         (``choose_plan``); 0 where no step will be fused.
