@@ -23,7 +23,8 @@ def test_tuned_runner_probes_and_writes_the_same_tokens(loaded_model, monkeypatc
     assert tuner is not None and tuner.max_threads == default_num_threads()
     asked: list[int] = []
     ask = tuner.threads_for_next_step
-    monkeypatch.setattr(tuner, "threads_for_next_step", lambda: asked.append(ask()) or asked[-1])
+    monkeypatch.setattr(tuner, "threads_for_next_step",
+                        lambda tokens=None: asked.append(ask(tokens)) or asked[-1])
     set_threads = torch.set_num_threads
     seen: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), set_threads(n)))
