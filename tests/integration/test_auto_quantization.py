@@ -62,14 +62,20 @@ def test_auto_serves_the_files_formats_and_the_oracles_answers(runners, tokenize
     for lin, fmt in [(l.gate_up, "q4_1") for l in auto.model.layers] + \
             [(auto.model.lm_head, "q8_0")]:
         one_row = lin.fns[0] if isinstance(lin, DispatchLinear) else lin
-        # decode reads the file's own blocks (unless fp32 of the same weights measured faster)
-        assert getattr(getattr(one_row, "packed", None), "fmt", fmt) in (fmt, "f32")
+        # decode reads the file's own blocks, with fp32 or int16 activations (unless fp32 of
+        # the same weights measured faster)
+        assert getattr(getattr(one_row, "packed", None), "fmt", fmt) in (fmt, f"{fmt}x16", "f32")
     a, b = all_logits(fp32, tokenizer.encode(TEXT)), all_logits(auto, tokenizer.encode(TEXT))
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     # the same weights: summation order only (bf16, if chosen here, stays within its bound)
     assert float(cosine.min()) > 0.999 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95
-    if not any(n == "bf16" for names in plan.choices.values() for n in names):
+    chosen = {n for names in plan.choices.values() for n in names}
+    if "bf16" not in chosen and not any("x16-" in n for n in chosen):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)  # summation order only
+    elif "bf16" not in chosen:
+        # int16 activations: 2^-16 of each group's largest |x|; with them on every layer at
+        # 64 rows and on the LM head, measured max |diff| 0.0086 on logits up to 35 (AVX2)
+        torch.testing.assert_close(b, a, atol=3e-2, rtol=1e-3)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     same = sum(x == y for x, y in zip(greedy(fp32, prompts, 8), greedy(auto, prompts, 8)))
     assert same >= len(prompts) - 1
