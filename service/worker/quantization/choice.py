@@ -202,7 +202,12 @@ kernels (README, Performance, 2026-12-01 later)."""
 
 def contradictions(timings: Mapping[str, float]) -> set[str]:
     """The timing keys of every (path, layer) whose timings contradict themselves: a call
-    on fewer rows over MONOTONE_SLACK times slower than one on more rows. Keys are
+    on fewer rows over MONOTONE_SLACK times slower than one on more rows, or one of our
+    C++ paths ("cpp-*") over MONOTONE_SLACK times slower at one row than ``fp32`` on the
+    same layer (a one-row call streams the weight, and ours read at most fp32's bytes: on
+    an AVX2 machine with a test suite beside it, load 2-3 on 2 CPUs, their OpenMP barriers
+    waited for descheduled threads and cpp-q4_1 took 7.7 ms at one row where fp32 took
+    0.74 and an idle one 0.05; that cache made an idle server decode on fp32). Keys are
     "path|NxK|bias|group|rows"; a (path, layer) is all its keys but the rows."""
     groups: dict[str, dict[int, str]] = {}
     for key in timings:
@@ -210,10 +215,15 @@ def contradictions(timings: Mapping[str, float]) -> set[str]:
         if rows.isdigit():
             groups.setdefault(head, {})[int(rows)] = key
     bad: set[str] = set()
-    for by_rows in groups.values():
+    for head, by_rows in groups.items():
         ms = [timings[by_rows[r]] for r in sorted(by_rows)]
         if any(ms[i] > MONOTONE_SLACK * ms[j] for i in range(len(ms))
                for j in range(i + 1, len(ms))):
+            bad.update(by_rows.values())
+        path, _, layer = head.partition("|")
+        dense = groups.get(f"fp32|{layer}", {}).get(1)
+        if (path.startswith("cpp-") and 1 in by_rows and dense is not None
+                and timings[by_rows[1]] > MONOTONE_SLACK * timings[dense]):
             bad.update(by_rows.values())
     return bad
 
