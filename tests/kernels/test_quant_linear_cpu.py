@@ -230,14 +230,24 @@ def test_packed_sizes() -> None:
     assert p.data.dtype == torch.int8 and p.minv is None and p.nbytes * 8 / (128 * 64) == 8.5
 
 
+# (base format, bound on the relative error against the fp32-activation product, extra row
+# counts) per activation-quantizing format: x8's tiles are 4 / 2 / 1 rows; x16's 6 down to 1,
+# in work items of 48 rows, with a strip of unpacked weights from 12 rows.
+ACT_CASES = {**{f: (base, 0.02, [2, 3, 5, 9]) for f, base in ACT8_FORMATS.items()},
+             **{f: (base, 1e-4, [2, 3, 5, 6, 11, 12, 13, 47, 48, 49, 97])
+                for f, base in ACT16_FORMATS.items()}}
+
+
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", sorted(ACT8_FORMATS))
+@pytest.mark.parametrize("fmt", sorted(ACT_CASES))
 @pytest.mark.parametrize("group", [32, 64])
-def test_act8_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -> None:
-    """The x8 formats compute the weight's integers times x rounded to int8 per row and
-    group, exactly as the reference (float64 over the same integers); that product is
-    within int8 rounding of the fp32-activation one (relative error far below 0.04), and
-    the same rows give the same bits in every call (1 to 300 rows, tiles of 4 / 2 / 1)."""
+def test_act_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -> None:
+    """The x8 / x16 formats compute the weight's integers times x rounded to int8 / int16
+    per row and group, as the reference does (float64 over the same integers); that
+    product is within the rounding of the fp32-activation one (relative error below 0.02
+    for int8, 1e-4 for int16), and the same rows give the same bits in every call (1 to
+    300 rows, across every tile, item and strip edge)."""
+    base, bound, extra_rows = ACT_CASES[fmt]
     w, b, x = _data(150, 256, max(ROWS), seed=group)
     x[3, 7] = 60.0  # an outlier channel in one group of one row
     packed = _pack(fmt, w, b, group)
@@ -245,11 +255,11 @@ def test_act8_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) 
     y = qlc.quant_linear(x, packed, isa)
     ref = quant_linear_ref(x, packed)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    exact = quant_linear_ref(x, _pack(ACT8_FORMATS[fmt], w, b, group))
-    assert float((y - exact).norm() / exact.norm()) < 0.02
-    for rows in ROWS + [2, 3, 5, 9]:
+    exact = quant_linear_ref(x, _pack(base, w, b, group))
+    assert float((y - exact).norm() / exact.norm()) < bound
+    for rows in ROWS + extra_rows:
         assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
-    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # the weights are q4_1's / q8_0's
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # q4_1's / q8_0's weights
 
 
 def test_act8_rounding_of_x_is_as_documented() -> None:
@@ -276,29 +286,6 @@ def test_act8_refuses_k_that_is_not_a_multiple_of_the_group(isa) -> None:
     forced = dataclasses.replace(base, fmt="q4_1x8")  # past the Python check: the kernel's own
     with pytest.raises(ValueError, match="rejected"):
         qlc.quant_linear(x, forced, isa)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", sorted(ACT16_FORMATS))
-@pytest.mark.parametrize("group", [32, 64])
-def test_act16_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -> None:
-    """The x16 formats compute the weight's integers times x rounded to int16 per row and
-    group, as the reference does (float64 over the same integers); that product is within
-    int16 rounding of the fp32-activation one (relative error below 1e-4, where int8's is
-    about 0.01), and the same rows give the same bits in every call: 1 to 300 rows, tiles
-    of 6 down to 1, work items of 48 rows and the strip of unpacked weights from 12 rows."""
-    w, b, x = _data(150, 256, max(ROWS), seed=group)
-    x[3, 7] = 60.0  # an outlier channel in one group of one row
-    packed = _pack(fmt, w, b, group)
-    assert packed.fmt == fmt
-    y = qlc.quant_linear(x, packed, isa)
-    ref = quant_linear_ref(x, packed)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    exact = quant_linear_ref(x, _pack(ACT16_FORMATS[fmt], w, b, group))
-    assert float((y - exact).norm() / exact.norm()) < 1e-4
-    for rows in ROWS + [2, 3, 5, 6, 11, 12, 13, 47, 48, 49, 97]:
-        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
-    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # q4_1's / q8_0's weights
 
 
 def test_act16_rounding_of_x_is_as_documented() -> None:
