@@ -1,14 +1,22 @@
 // Paged decode attention on the CPU, fp32: one query token per sequence.
 //
 // Reads each sequence's K/V straight from the paged cache through its block
-// table (no gathered copy). One work item is a sequence and a range of its KV
-// heads (all of them when there are enough sequences to keep every thread
-// busy, so that each block's K and V are read as one contiguous stream). Two
-// passes over the context: scores s = scale * q . k for the G = Hq / Hkv query
-// heads sharing each KV head (GQA without expanding K/V), then the softmax and
-// the weighted sum of V. Work items are spread over OpenMP threads; the
-// library links the libgomp that torch has already loaded (same soname), so
-// the kernel and torch's ops share one thread pool.
+// table (no gathered copy). A sequence's context is split into chunks of whole
+// blocks (about kChunkTokens tokens each, a function of the context length
+// alone); a work item is one chunk of one sequence with every query head, and
+// reads each of its blocks once, row by row (all KV heads of a token are
+// contiguous), as one stream. Two passes over a chunk: scores s = scale * q . k
+// for every query head (query head hq uses KV head hq / G: GQA without
+// expanding K/V), then the chunk's softmax numerators and their weighted sum of
+// V; the chunks of a sequence are then merged by their maxima (flash-decoding's
+// split-K). Work items are spread over OpenMP threads; the library links the
+// libgomp that torch has already loaded (same soname), so the kernel and
+// torch's ops share one thread pool.
+//
+// Measured on a 2-core Zen 3 (AVX2), 30 layers' caches streamed cold as in a
+// step (9 query / 3 KV heads, D = 64): one decode at 300 tokens 1.9 ms against
+// 2.6-3.0 for the previous kernel (one item per KV head, no chunks), at 1000
+// tokens 5.2 against 8.2-8.9; 16 decodes at 300 tokens within 5% of it.
 //
 // Layouts (strides in elements):
 //   q        [n rows, Hq, D]: row r at q + r * q_row_stride, heads then D contiguous
@@ -20,83 +28,120 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kMaxHeads = 64;  // query heads per work item
+constexpr int kMaxHeads = 64;  // query heads per KV head (GQA group): the checks' limit
 
-// Calls f(t, row) for t = 0..ctx-1 in order, row = the token's [Hkv, D] slice of `cache`
-// found through the block table; prefetches the next block (block ids are scattered, so the
-// hardware prefetcher cannot guess it).
-template <class F>
-inline void for_each_token(const float* cache, const int64_t* table, int64_t ctx,
-                           int block_size, int64_t token_stride, F&& f) {
-  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-    const int64_t base = table[t0 / block_size] * block_size;
-    if (t0 + block_size < ctx)
-      __builtin_prefetch(cache + table[t0 / block_size + 1] * block_size * token_stride);
-    const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - t0));
-    for (int j = 0; j < nt; ++j) f(t0 + j, cache + (base + j) * token_stride);
-  }
+// 8 floats: one ymm on AVX2, half a zmm on AVX-512 (GCC vector extension: the file is
+// built with -march=native, so the operations map onto the machine's vector instructions).
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// Decode i, KV heads [h0, h1): scores, softmax and output of their G * (h1 - h0) query heads.
+inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+// q . k over D floats: D / 8 products in one vector accumulator, then its lanes.
 template <int D>
-void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
-            int64_t ctx, int block_size, int Hkv, int G, int h0, int h1, float scale,
-            float* out, std::vector<float>& scores) {
-  const int heads = (h1 - h0) * G;  // query heads of this item, consecutive in q and out
-  scores.resize(static_cast<size_t>(heads) * ctx);
-  float* s = scores.data();
+inline float dot(const float* q, const float* k) {
+  v8 a = load8(q) * load8(k);
+#pragma GCC unroll 32
+  for (int c = 1; c < D / 8; ++c) a += load8(q + 8 * c) * load8(k + 8 * c);
+  return hsum(a);
+}
+
+// Tokens per chunk (about): a decode's context is split into chunks of whole blocks, each
+// a work item of its own, and the chunks' partial softmax sums are merged at the end (the
+// split-K of flash-decoding: Dao et al., "Flash-Decoding for long-context inference",
+// 2023). The split depends on the context length alone, so a row's result never depends
+// on the other rows or on the thread count (batch invariance).
+constexpr int64_t kChunkTokens = 64;
+
+inline int64_t num_chunks(int64_t ctx, int block_size) {
+  const int64_t blocks = (ctx + block_size - 1) / block_size;
+  return std::min(blocks, std::max<int64_t>(1, (ctx + kChunkTokens / 2) / kChunkTokens));
+}
+
+// One chunk of one decode, every query head: blocks [b0, b1) of its table (tokens t0 .. t1-1).
+// Each block is read once, as whole rows of all its KV heads, and scored (or summed) while in
+// L1. Writes, per query head hq, the chunk's max score m[hq], sum of exp(score - m) l[hq]
+// and the unnormalised output acc[hq * D ..] = sum_t exp(score_t - m) v_t.
+//   pass 1: token by token, s[hq][t] = scale * q_hq . k_t for three heads at a time (three
+//           independent chains)
+//   pass 2: token by token, acc_hq += p_hq,t v_t (acc in L1)
+template <int D>
+void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
+                  const int64_t* table, int64_t b0, int64_t b1, int64_t ctx, int block_size,
+                  int Hq, int Hkv, float scale, float* s, float* m, float* l, float* acc) {
+  const int G = Hq / Hkv;
   const int64_t token_stride = static_cast<int64_t>(Hkv) * D;
-  // Pass 1: s[hq * ctx + t] = scale * q_hq . k_t(hq's KV head)
-  for_each_token(k_cache, table, ctx, block_size, token_stride,
-                 [&](int64_t t, const float* krow) {
-    for (int h = h0; h < h1; ++h) {
-      const float* k = krow + static_cast<int64_t>(h) * D;
-      for (int g = 0; g < G; ++g) {
-        const int hq = (h - h0) * G + g;
-        const float* qh = q + static_cast<int64_t>(hq) * D;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < D; ++d) acc += qh[d] * k[d];
-        s[hq * ctx + t] = acc * scale;
-      }
+  const int64_t block_floats = block_size * token_stride;
+  const int64_t t0 = b0 * block_size, t1 = std::min(ctx, b1 * block_size), len = t1 - t0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* rows = k_cache + table[b] * block_floats;
+    if (b + 1 < b1) {
+      const float* next = k_cache + table[b + 1] * block_floats;
+      __builtin_prefetch(next);
     }
-  });
-  // Softmax of each query head's scores (exp vectorised).
-  float inv_sum[kMaxHeads];
-  for (int hq = 0; hq < heads; ++hq) {
-    float* sh = s + hq * ctx;
-    float m = sh[0];
-    for (int64_t t = 1; t < ctx; ++t) m = std::max(m, sh[t]);
+    const int nt = static_cast<int>(std::min<int64_t>(block_size, t1 - b * block_size));
+    const int64_t tb = b * block_size - t0;
+    for (int j = 0; j < nt; ++j) {
+      const float* krow = rows + j * token_stride;
+      int hq = 0;
+      for (; hq + 3 <= Hq; hq += 3) {
+        const float a0 = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D);
+        const float a1 = dot<D>(q + (hq + 1) * D, krow + static_cast<int64_t>((hq + 1) / G) * D);
+        const float a2 = dot<D>(q + (hq + 2) * D, krow + static_cast<int64_t>((hq + 2) / G) * D);
+        s[hq * len + tb + j] = a0 * scale;
+        s[(hq + 1) * len + tb + j] = a1 * scale;
+        s[(hq + 2) * len + tb + j] = a2 * scale;
+      }
+      for (; hq < Hq; ++hq)
+        s[hq * len + tb + j] = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D) * scale;
+    }
+  }
+  for (int hq = 0; hq < Hq; ++hq) {
+    float* sh = s + hq * len;
+    float mx = sh[0];
+    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sh[t]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      sh[t] = std::exp(sh[t] - m);
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - mx);
       sum += sh[t];
     }
-    inv_sum[hq] = 1.f / sum;
+    m[hq] = mx;
+    l[hq] = sum;
   }
-  // Pass 2: out_hq = sum_t p_hq,t v_t(hq's KV head)
-  float acc[kMaxHeads][D];
-  for (int hq = 0; hq < heads; ++hq)
-    for (int d = 0; d < D; ++d) acc[hq][d] = 0.f;
-  for_each_token(v_cache, table, ctx, block_size, token_stride,
-                 [&](int64_t t, const float* vrow) {
-    for (int h = h0; h < h1; ++h) {
-      const float* v = vrow + static_cast<int64_t>(h) * D;
-      for (int g = 0; g < G; ++g) {
-        const int hq = (h - h0) * G + g;
-        const float p = s[hq * ctx + t];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[hq][d] += p * v[d];
+  std::fill(acc, acc + static_cast<int64_t>(Hq) * D, 0.f);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* rows = v_cache + table[b] * block_floats;
+    if (b + 1 < b1) {
+      const float* next = v_cache + table[b + 1] * block_floats;
+      __builtin_prefetch(next);
+    }
+    const int nt = static_cast<int>(std::min<int64_t>(block_size, t1 - b * block_size));
+    const int64_t tb = b * block_size - t0;
+    for (int j = 0; j < nt; ++j) {
+      const float* vrow = rows + j * token_stride;
+      for (int hq = 0; hq < Hq; ++hq) {
+        const float p = s[hq * len + tb + j];
+        const float* v = vrow + static_cast<int64_t>(hq / G) * D;
+        float* ah = acc + static_cast<int64_t>(hq) * D;
+#pragma GCC unroll 32
+        for (int c = 0; c < D / 8; ++c) {
+          const v8 r = load8(ah + 8 * c) + p * load8(v + 8 * c);
+          std::memcpy(ah + 8 * c, &r, sizeof(r));
+        }
       }
     }
-  });
-  for (int hq = 0; hq < heads; ++hq)
-    for (int d = 0; d < D; ++d) out[static_cast<int64_t>(hq) * D + d] = acc[hq][d] * inv_sum[hq];
+  }
 }
 
 template <int D>
@@ -104,23 +149,58 @@ void run(const float* q, int64_t q_row_stride, const float* k_cache, const float
          const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
          const int64_t* rows, float* out, int n, int Hq, int Hkv, int block_size, float scale,
          int num_threads) {
-  const int G = Hq / Hkv;
-  // Split each sequence's KV heads into `parts` items when sequences are too few for the threads,
-  // and so that no item holds more than kMaxHeads query heads.
-  int parts = std::max(1, std::min(Hkv, (2 * num_threads + n - 1) / std::max(n, 1)));
-  while ((Hkv + parts - 1) / parts * G > kMaxHeads) ++parts;
-  const int per = (Hkv + parts - 1) / parts;
+  // Work items: (decode, chunk), numbered through first[i] .. first[i + 1] - 1.
+  std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
+  int64_t max_len = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t chunks = num_chunks(seq_lens[i], block_size);
+    first[i + 1] = first[i] + chunks;
+    const int64_t blocks = (seq_lens[i] + block_size - 1) / block_size;
+    max_len = std::max(max_len, (blocks + chunks - 1) / chunks * block_size);
+  }
+  const int64_t items = first[n], per_item = static_cast<int64_t>(Hq) * (D + 2);
+  std::vector<float> part(static_cast<size_t>(items * per_item));  // m [Hq], l [Hq], acc [Hq, D]
+  std::vector<int> owner(static_cast<size_t>(items));
+  for (int i = 0; i < n; ++i)
+    for (int64_t it = first[i]; it < first[i + 1]; ++it) owner[it] = i;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scores;
+    std::vector<float> scores(static_cast<size_t>(Hq * max_len));
 #pragma omp for schedule(dynamic, 1)
-    for (int item = 0; item < n * parts; ++item) {
-      const int i = item / parts, h0 = (item % parts) * per, h1 = std::min(Hkv, h0 + per);
-      if (h0 >= h1) continue;
-      const int64_t row = rows[i];
-      attend<D>(q + row * q_row_stride + static_cast<int64_t>(h0) * G * D, k_cache, v_cache,
-                tables + i * table_stride, seq_lens[i], block_size, Hkv, G, h0, h1, scale,
-                out + (row * Hq + static_cast<int64_t>(h0) * G) * D, scores);
+    for (int64_t it = 0; it < items; ++it) {
+      const int i = owner[it];
+      const int64_t ctx = seq_lens[i], chunks = first[i + 1] - first[i], c = it - first[i];
+      const int64_t blocks = (ctx + block_size - 1) / block_size;
+      float* pm = part.data() + it * per_item;
+      attend_chunk<D>(q + rows[i] * q_row_stride, k_cache, v_cache, tables + i * table_stride,
+                      c * blocks / chunks, (c + 1) * blocks / chunks, ctx, block_size, Hq, Hkv,
+                      scale, scores.data(), pm, pm + Hq, pm + 2 * Hq);
+    }
+    // Merge each decode's chunks in order: out = sum_c w_c acc_c / sum_c w_c l_c, with
+    // w_c = exp(m_c - max_c m_c) (one chunk: w = 1, out = acc / l).
+#pragma omp for schedule(static)
+    for (int i = 0; i < n; ++i) {
+      float* o = out + rows[i] * static_cast<int64_t>(Hq) * D;
+      for (int hq = 0; hq < Hq; ++hq) {
+        float mx = part[first[i] * per_item + hq];
+        for (int64_t it = first[i] + 1; it < first[i + 1]; ++it)
+          mx = std::max(mx, part[it * per_item + hq]);
+        float den = 0.f;
+        v8 a[D / 8];
+        for (int c = 0; c < D / 8; ++c) a[c] = v8{};
+        for (int64_t it = first[i]; it < first[i + 1]; ++it) {
+          const float* pm = part.data() + it * per_item;
+          const float w = std::exp(pm[hq] - mx);
+          den += w * pm[Hq + hq];
+          const float* pa = pm + 2 * Hq + static_cast<int64_t>(hq) * D;
+          for (int c = 0; c < D / 8; ++c) a[c] += w * load8(pa + 8 * c);
+        }
+        const float inv = 1.f / den;
+        for (int c = 0; c < D / 8; ++c) {
+          const v8 r = a[c] * inv;
+          std::memcpy(o + hq * D + 8 * c, &r, sizeof(r));
+        }
+      }
     }
   }
 }

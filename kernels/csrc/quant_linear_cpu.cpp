@@ -743,68 +743,83 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
   hi = _mm256_unpackhi_epi16(a, b);
 }
 
-// Rows m0 .. m0+R-1 of panel p: every group's integer sums, the float steps, the bias. The
-// weight pairs come from `strip` ([K / 2][2] vectors, pair_weights16's lo and hi) when given.
-template <int Fmt, int R>
-void tile16(const Problem& pb, const Act16& a, int64_t p, int64_t m0, const __m256i* strip) {
-  alignas(32) float tot[R][16];
+// Rows m0 .. m0+R-1 of panels p0 .. p0+C-1: every group's integer sums, the float steps,
+// the bias. The weight pairs come from `strip` ([K / 2][2] vectors, pair_weights16's lo and
+// hi; C = 1 only) when given.
+template <int Fmt, int R, int C>
+void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m256i* strip) {
+  alignas(32) float tot[R][C][16];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 16; ++c) tot[r][c] = 0.f;
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 16; ++j) tot[r][c][j] = 0.f;
   const int16_t* qx[R];
   for (int r = 0; r < R; ++r) qx[r] = a.q.data() + (m0 + r) * pb.K;
   for (int64_t g = 0; g < pb.groups; ++g) {
-    __m256i s[R][2];
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    __m256i s[R][C][2];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c][0] = s[r][c][1] = _mm256_setzero_si256();
     const int64_t k1 = (g + 1) * pb.group;
     for (int64_t k = g * pb.group; k < k1; k += 2) {
-      __m256i lo, hi;
-      if (strip != nullptr) {
-        lo = _mm256_load_si256(strip + k);
-        hi = _mm256_load_si256(strip + k + 1);
-      } else {
-        pair_weights16<Fmt>(pb, p, k, lo, hi);
-      }
+      __m256i xp[R];
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, qx[r] + k, 4);
-        const __m256i xp = _mm256_set1_epi32(pair);
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(lo, xp));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(hi, xp));
+        xp[r] = _mm256_set1_epi32(pair);
+      }
+      for (int c = 0; c < C; ++c) {
+        __m256i lo, hi;
+        if (strip != nullptr) {
+          lo = _mm256_load_si256(strip + k);
+          hi = _mm256_load_si256(strip + k + 1);
+        } else {
+          pair_weights16<Fmt>(pb, p0 + c, k, lo, hi);
+        }
+        for (int r = 0; r < R; ++r) {
+          s[r][c][0] = _mm256_add_epi32(s[r][c][0], _mm256_madd_epi16(lo, xp[r]));
+          s[r][c][1] = _mm256_add_epi32(s[r][c][1], _mm256_madd_epi16(hi, xp[r]));
+        }
       }
     }
-    const int64_t off = at(p, pb.groups, g);
-    const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
-    __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
-    if constexpr (Fmt == 3) {
-      const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
-      n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-      n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const __m256 vdx = _mm256_set1_ps(a.d[m * pb.groups + g]);
-      const __m256i i0 = _mm256_permute2x128_si256(s[r][0], s[r][1], 0x20);  // channels 0-7
-      const __m256i i1 = _mm256_permute2x128_si256(s[r][0], s[r][1], 0x31);  // 8-15
-      __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, vdx), _mm256_load_ps(tot[r]));
-      __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx), _mm256_load_ps(tot[r] + 8));
+    for (int c = 0; c < C; ++c) {
+      const int64_t off = at(p0 + c, pb.groups, g);
+      const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
+      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
+      __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
       if constexpr (Fmt == 3) {
-        const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
-        t0 = _mm256_fmadd_ps(vxs, n0, t0);
-        t1 = _mm256_fmadd_ps(vxs, n1, t1);
+        const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+        n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+        n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
       }
-      _mm256_store_ps(tot[r], t0);
-      _mm256_store_ps(tot[r] + 8, t1);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256 vdx = _mm256_set1_ps(a.d[m * pb.groups + g]);
+        const __m256i i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);  // ch 0-7
+        const __m256i i1 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x31);  // 8-15
+        __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, vdx),
+                                    _mm256_load_ps(tot[r][c]));
+        __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx),
+                                    _mm256_load_ps(tot[r][c] + 8));
+        if constexpr (Fmt == 3) {
+          const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
+          t0 = _mm256_fmadd_ps(vxs, n0, t0);
+          t1 = _mm256_fmadd_ps(vxs, n1, t1);
+        }
+        _mm256_store_ps(tot[r][c], t0);
+        _mm256_store_ps(tot[r][c] + 8, t1);
+      }
     }
   }
-  const int64_t c0 = p * 16;
-  const int64_t valid = std::min<int64_t>(16, pb.N - c0);
-  if (valid <= 0) return;
-  for (int r = 0; r < R; ++r) {
-    if (pb.bias != nullptr)
-      for (int c = 0; c < 16; ++c) tot[r][c] += pb.bias[c0 + c];
-    std::memcpy(pb.y + (m0 + r) * pb.y_stride + c0, tot[r], static_cast<size_t>(valid) * sizeof(float));
+  for (int c = 0; c < C; ++c) {
+    const int64_t c0 = (p0 + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, pb.N - c0);
+    if (valid <= 0) continue;
+    for (int r = 0; r < R; ++r) {
+      if (pb.bias != nullptr)
+        for (int j = 0; j < 16; ++j) tot[r][c][j] += pb.bias[c0 + j];
+      std::memcpy(pb.y + (m0 + r) * pb.y_stride + c0, tot[r][c],
+                  static_cast<size_t>(valid) * sizeof(float));
+    }
   }
 }
 
@@ -822,13 +837,13 @@ void rows16(const Problem& pb, const Act16& a, int64_t p, int64_t m0, int64_t m1
     strip = buf.data();
   }
   int64_t m = m0;
-  for (; m + 6 <= m1; m += 6) tile16<Fmt, 6>(pb, a, p, m, strip);
+  for (; m + 6 <= m1; m += 6) tile16<Fmt, 6, 1>(pb, a, p, m, strip);
   switch (m1 - m) {
-    case 5: tile16<Fmt, 5>(pb, a, p, m, strip); break;
-    case 4: tile16<Fmt, 4>(pb, a, p, m, strip); break;
-    case 3: tile16<Fmt, 3>(pb, a, p, m, strip); break;
-    case 2: tile16<Fmt, 2>(pb, a, p, m, strip); break;
-    case 1: tile16<Fmt, 1>(pb, a, p, m, strip); break;
+    case 5: tile16<Fmt, 5, 1>(pb, a, p, m, strip); break;
+    case 4: tile16<Fmt, 4, 1>(pb, a, p, m, strip); break;
+    case 3: tile16<Fmt, 3, 1>(pb, a, p, m, strip); break;
+    case 2: tile16<Fmt, 2, 1>(pb, a, p, m, strip); break;
+    case 1: tile16<Fmt, 1, 1>(pb, a, p, m, strip); break;
     default: break;
   }
 }
@@ -838,10 +853,24 @@ void rows16(const Problem& pb, const Act16& a, int64_t p, int64_t m0, int64_t m1
 // its tiles).
 constexpr int64_t kAct16Rows = 48;
 
+// Below this many rows a work item is a whole 64-channel block (4 panels: every k pair of
+// its weights is one 64-byte cache line for q4_1, two for q8_0) and each of its rows is a
+// tile of 1 x 4 panels. A one-panel item would use a quarter of each line it fetches and
+// leave the rest to the next three items: the memory traffic comes in bursts, with compute
+// and memory taking turns instead of overlapping.
+constexpr int64_t kAct16GemvRows = 2;
+
 template <int Fmt>
 void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
   quantize_rows16(pb, a, num_threads);
+  if (pb.M < kAct16GemvRows) {
+    const int64_t blocks = pb.Np / 64;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t m = 0; m < pb.M; ++m) tile16<Fmt, 1, 4>(pb, a, 4 * b, m, nullptr);
+    return;
+  }
   const int64_t panels = (pb.N + 15) / 16, blocks = (pb.M + kAct16Rows - 1) / kAct16Rows;
   const int64_t items = panels * blocks;
 #pragma omp parallel num_threads(num_threads)
