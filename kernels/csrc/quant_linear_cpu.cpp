@@ -760,12 +760,6 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       for (int c = 0; c < C; ++c) s[r][c][0] = s[r][c][1] = _mm256_setzero_si256();
     const int64_t k1 = (g + 1) * pb.group;
     for (int64_t k = g * pb.group; k < k1; k += 2) {
-      __m256i xp[R];
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, qx[r] + k, 4);
-        xp[r] = _mm256_set1_epi32(pair);
-      }
       for (int c = 0; c < C; ++c) {
         __m256i lo, hi;
         if (strip != nullptr) {
@@ -774,9 +768,14 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
         } else {
           pair_weights16<Fmt>(pb, p0 + c, k, lo, hi);
         }
+        // each row's x pair broadcast where it is used (R = 6: 12 sums, 2 weight vectors
+        // and one broadcast fill the 16 registers; hoisting six broadcasts would spill)
         for (int r = 0; r < R; ++r) {
-          s[r][c][0] = _mm256_add_epi32(s[r][c][0], _mm256_madd_epi16(lo, xp[r]));
-          s[r][c][1] = _mm256_add_epi32(s[r][c][1], _mm256_madd_epi16(hi, xp[r]));
+          int32_t pair;
+          std::memcpy(&pair, qx[r] + k, 4);
+          const __m256i xp = _mm256_set1_epi32(pair);
+          s[r][c][0] = _mm256_add_epi32(s[r][c][0], _mm256_madd_epi16(lo, xp));
+          s[r][c][1] = _mm256_add_epi32(s[r][c][1], _mm256_madd_epi16(hi, xp));
         }
       }
     }
