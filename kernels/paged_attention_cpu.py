@@ -10,7 +10,8 @@ once per step instead of once per layer:
   each prefill chunk's blocks and causal mask.
 - ``cpu_paged_attention`` (once per layer): gathers and ``scaled_dot_product_attention``,
   or, with ``decode_kernel="cpp"``, the decodes through the C++ kernel of
-  ``kernels.decode_attention_cpu`` (no gather) and only the prefill chunks through SDPA.
+  ``kernels.decode_attention_cpu`` and the prefill chunks through that of
+  ``kernels.prefill_attention_cpu`` (neither gathers: both read the paged cache).
 
 Why groups: gathering every decode's K/V at once (``paged_attention_ref``)
 writes the whole gathered context (64 sequences x 300 tokens: 30 MB per layer)
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention_cpu import decode_attention_cpu
+from kernels.prefill_attention_cpu import prefill_attention_cpu
+from kernels.prefill_attention_cpu import supports as prefill_supports
 
 DEFAULT_GROUP_BYTES = 4 << 20
 """Gathered K+V bytes of one decode group. On the 2-core reference machine (2 x 1 MiB L2,
@@ -92,6 +95,8 @@ class CpuAttentionPlan:
         decodes are in decode_groups (SDPA) or in kernel_decodes (the C++ kernel), never both.
     all_decode_in_order: every sequence decodes and the rows are 0..T-1 in one
         group (the output is the group's result, no copy).
+    prefill_kernel: prefill chunks go through the C++ kernel of
+        ``kernels.prefill_attention_cpu`` where it supports the layout (else SDPA).
     """
 
     num_tokens: int
@@ -99,6 +104,7 @@ class CpuAttentionPlan:
     prefills: tuple[PrefillChunk, ...]
     all_decode_in_order: bool
     kernel_decodes: KernelDecodes | None = None
+    prefill_kernel: bool = False
 
     @property
     def kernel_rows_only(self) -> bool:
@@ -131,8 +137,10 @@ def plan_cpu_attention(
         block_size: tokens per cache block.
         kv_bytes_per_token: bytes of one token's K plus V in one layer (2 Hkv D itemsize).
         group_bytes: gathered K+V bytes per decode group (at least one sequence a group).
-        decode_kernel: "sdpa" (decodes gathered in groups, SDPA) or "cpp" (all decodes
-            in one ``KernelDecodes`` for ``kernels.decode_attention_cpu``).
+        decode_kernel: "sdpa" (decodes gathered in groups, prefill chunks gathered, SDPA)
+            or "cpp" (all decodes in one ``KernelDecodes`` for
+            ``kernels.decode_attention_cpu``, prefill chunks through
+            ``kernels.prefill_attention_cpu``: our C++ attention kernels).
         all_rows: with "cpp", prefill rows too go through the C++ kernel, each as a decode
             over its own causal prefix (no SDPA): a row's output then depends only on its
             query, its context's K/V and its position, never on how the prompt was chunked
@@ -200,7 +208,7 @@ def plan_cpu_attention(
                     torch.tensor(seqs, device=device)]).contiguous(),
                 seq_lens=torch.tensor([c for _, _, c in decodes], dtype=torch.int64,
                                       device=device))
-        return CpuAttentionPlan(row, (), tuple(prefills), False, kernel)
+        return CpuAttentionPlan(row, (), tuple(prefills), False, kernel, prefill_kernel=True)
     groups = _plan_decode_groups(decodes, tables, block_size, kv_bytes_per_token, group_bytes)
     in_order = (len(groups) == 1 and not prefills and len(decodes) == num_seqs
                 and isinstance(groups[0].rows, slice) and groups[0].rows.start == 0)
@@ -299,7 +307,13 @@ def cpu_paged_attention(
     for g in plan.decode_groups:
         out[g.rows] = _decode_group(q[g.rows], k_rows, v_rows, g, block_size, num_kv_heads,
                                     group, scale)
+    use_kernel = plan.prefill_kernel and prefill_supports(q.dtype, num_q_heads, num_kv_heads,
+                                                          head_dim, block_size)
     for p in plan.prefills:
+        if use_kernel:
+            prefill_attention_cpu(q[p.rows], k_cache, v_cache, p.blocks, p.ctx_len, out[p.rows],
+                                  scale)
+            continue
         k = k_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]
         v = v_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]
         o = F.scaled_dot_product_attention(

@@ -1,7 +1,8 @@
-"""Which decode attention the torch backend runs: our C++ kernel or SDPA (policy only).
+"""Which attention the torch backend runs on the CPU: our C++ kernels or SDPA (policy only).
 
-`--cpu-decode-kernel auto|cpp|sdpa` (`ModelConfig.cpu_decode_kernel`); the kernel itself is
-`kernels.decode_attention_cpu`, built with g++ on first use.
+`--cpu-decode-kernel auto|cpp|sdpa` (`ModelConfig.cpu_decode_kernel`); "cpp" is our two C++
+kernels, `kernels.decode_attention_cpu` for decode rows and `kernels.prefill_attention_cpu`
+for prefill chunks (where it covers the block size: else SDPA), built with g++ on first use.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def check_decode_kernel_builds() -> None:
-    """Raises ValueError when the C++ decode kernel does not build (cpu_decode_kernel cpp);
-    called before the model loads, to fail in a second rather than after it."""
+def _build_problem() -> str | None:
+    """Why one of the C++ attention kernels does not build or load here, or None."""
     from kernels import decode_attention_cpu as dac
+    from kernels import prefill_attention_cpu as pac
 
-    problem = dac.build_problem()
+    return dac.build_problem() or pac.build_problem()
+
+
+def check_decode_kernel_builds() -> None:
+    """Raises ValueError when a C++ attention kernel does not build (cpu_decode_kernel cpp);
+    called before the model loads, to fail in a second rather than after it."""
+    problem = _build_problem()
     if problem is not None:
         raise ValueError(f"cpu_decode_kernel 'cpp' (--cpu-decode-kernel cpp) cannot be "
                          f"used: {problem}")
@@ -48,7 +55,7 @@ def choose_decode_kernel(setting: str, backend: str, device: torch.device, dtype
                                f"{head_dim} is not covered (fp32, D in {dac.HEAD_DIMS})")
     else:
         applies, why = True, ""
-        problem = dac.build_problem() if setting != "sdpa" else None
+        problem = _build_problem() if setting != "sdpa" else None
         if problem is not None:
             applies, why, build_failed = False, problem, True
     if setting == "cpp" and not applies:

@@ -1,0 +1,117 @@
+"""The C++ prefill attention kernel (kernels.prefill_attention_cpu) against paged_attention_ref:
+called directly on chunks with and without earlier context, through cpu_paged_attention's
+"cpp" plan, over head layouts, block sizes (multiples of 8 and not) and thread counts; its
+argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import paged_attention_ref
+from kernels import prefill_attention_cpu as pac
+from kernels.paged_attention_cpu import cpu_paged_attention, plan_cpu_attention
+
+needs_kernel = pytest.mark.skipif(
+    pac.build_problem() is not None, reason=f"C++ kernel does not build here: {pac.build_problem()}")
+
+
+def _ref(batch):
+    return paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                               batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+
+
+def _direct(batch, threads: int | None = None) -> torch.Tensor:
+    """Every sequence's chunk through the kernel, one call each."""
+    out = torch.full_like(batch.q, float("nan"))
+    cu = batch.cu_seqlens_q.tolist()
+    tables = batch.block_tables.to(torch.int64).clamp(min=0)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for b, (a, e) in enumerate(zip(cu, cu[1:])):
+            pac.prefill_attention_cpu(batch.q[a:e], batch.kv[0], batch.kv[1], tables[b].contiguous(),
+                                      int(batch.seq_lens[b]), out[a:e], batch.scale)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [8, 12, 16, 32])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (16, 2, 1), (80, 1, 4),
+                                                         (128, 2, 2)])
+def test_chunks_match_ref(make_paged_batch, block_size, head_dim, num_kv_heads, group) -> None:
+    # (context, chunk): a whole prompt, chunks after earlier context ending mid-block and on a
+    # block edge, a chunk of 2, a tile edge (16 queries) and several tiles
+    seqs = [(37, 37), (70, 21), (64, 16), (9, 2), (100, 33)]
+    batch = make_paged_batch(seqs, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                             head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
+                             seed=21)
+    torch.testing.assert_close(_direct(batch), _ref(batch), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_long_prompt_any_thread_count_same_bits(make_paged_batch, threads) -> None:
+    # a 512-token chunk after 200 tokens of context, as a server's chunked prefill runs it
+    batch = make_paged_batch([(712, 512)], block_size=16, num_kv_heads=3, group=3, head_dim=64,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=22)
+    out = _direct(batch, threads)
+    torch.testing.assert_close(out, _ref(batch), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out, _direct(batch, 1))  # work split over threads: the same bits
+
+
+@needs_kernel
+def test_mixed_step_through_the_cpp_plan(make_paged_batch) -> None:
+    # decodes between prefill chunks: both C++ kernels in one cpu_paged_attention call
+    seqs = [(12, 1), (7, 7), (21, 5), (1, 1), (30, 13), (40, 1)]
+    batch = make_paged_batch(seqs, block_size=8, num_kv_heads=2, group=3, head_dim=64,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=23)
+    cu = batch.cu_seqlens_q.tolist()
+    plan = plan_cpu_attention([b - a for a, b in zip(cu, cu[1:])], batch.seq_lens.tolist(),
+                              batch.block_tables, 8, 2 * 2 * 64 * 4, decode_kernel="cpp")
+    assert plan.prefill_kernel and len(plan.prefills) == 3
+    out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], plan, batch.scale)
+    torch.testing.assert_close(out, _ref(batch), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_strided_q_and_out_rows(make_paged_batch) -> None:
+    batch = make_paged_batch([(50, 20)], block_size=16, num_kv_heads=2, group=3, head_dim=64,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=24)
+    wide = torch.cat([batch.q, torch.randn(batch.q.shape[0], 4, 64)], dim=1)  # a fused projection
+    q = wide[:, :6]
+    out_wide = torch.full((20, 8, 64), 7.0)
+    out = out_wide[:, :6]
+    pac.prefill_attention_cpu(q, batch.kv[0], batch.kv[1], batch.block_tables[0].to(torch.int64),
+                              50, out, batch.scale)
+    torch.testing.assert_close(out, _ref(batch), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out_wide[:, 6:], torch.full((20, 2, 64), 7.0))
+
+
+@needs_kernel
+def test_checks() -> None:
+    q = torch.randn(4, 6, 64)
+    cache = torch.randn(4, 8, 2, 64)
+    out = torch.full_like(q, 7.0)
+    blocks = torch.tensor([0, 1])
+    pac.prefill_attention_cpu(q, cache, cache, blocks, 10, out, 0.125)  # valid
+    assert torch.isfinite(out).all() and not torch.equal(out, torch.full_like(q, 7.0))
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="ctx_len"):
+        pac.prefill_attention_cpu(q, cache, cache, blocks, 3, out, 0.125)  # 4 rows, context 3
+    with pytest.raises(ValueError, match="cover"):
+        pac.prefill_attention_cpu(q, cache, cache, blocks, 17, out, 0.125)  # 17 needs 3 blocks
+    with pytest.raises(ValueError, match="outside the cache"):
+        pac.prefill_attention_cpu(q, cache, cache, torch.tensor([0, 4]), 10, out, 0.125)
+    with pytest.raises(ValueError, match="float32"):
+        pac.prefill_attention_cpu(q.double(), cache, cache, blocks, 10, out, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        pac.prefill_attention_cpu(q, cache, cache, blocks.int(), 10, out, 0.125)
+    big = torch.randn(2, 80, 2, 64)
+    with pytest.raises(ValueError, match="block_size"):
+        pac.prefill_attention_cpu(q, big, big, torch.tensor([0]), 10, out, 0.125)
+    assert torch.equal(out, torch.full_like(q, 7.0))  # the refused calls wrote nothing
+    assert not pac.supports(torch.float32, 6, 2, 64, 128)
