@@ -63,10 +63,12 @@ class ModelConfig:
         weights, our C++ kernels) or "auto-a8" (auto's weights, and paths that multiply
         them by int8 activations per group of 32, as llama.cpp does on the CPU: faster,
         lossy). int8 / int4 / auto-a8: CPU, dtype float32.
-    cpu_decode_kernel: decode attention of the torch path on the CPU: "cpp" (the C++
-        kernel of `kernels.decode_attention_cpu`, built on first use; start-up fails if
-        it cannot be), "sdpa" (gathered K/V and torch's scaled_dot_product_attention),
-        or "auto" (cpp when it builds and fits the model, fp32; sdpa otherwise).
+    cpu_decode_kernel: attention of the torch path on the CPU: "cpp" (our C++ kernels,
+        `kernels.decode_attention_cpu` for decode rows and `kernels.prefill_attention_cpu`
+        for prefill chunks where it covers the block size, built on first use; start-up
+        fails if they cannot be), "sdpa" (gathered K/V and torch's
+        scaled_dot_product_attention), or "auto" (cpp when they build and fit the model,
+        fp32; sdpa otherwise). The name keeps the setting's first meaning (decodes only).
     cpu_fused_decode: on the CPU, run a step whose every row the C++ decode attention
         serves (decode-only steps; every step when batch_invariant) as one native call
         (`kernels.decode_forward_cpu`) where every linear layer's chosen path at that row
@@ -112,8 +114,9 @@ class ModelConfig:
         choices=("auto", "auto-a8", "none", "int8", "int4"),
         none="none")
     cpu_decode_kernel: str = option(
-        "auto", "CPU decode attention: cpp (our C++ kernel, built with g++ on first use), "
-        "sdpa (torch), auto = cpp when it builds (fp32), else sdpa",
+        "auto", "CPU attention: cpp (our C++ kernels for decode rows and prefill chunks, "
+        "built with g++ on first use), sdpa (torch), auto = cpp when they build (fp32), else "
+        "sdpa",
         choices=("auto", "cpp", "sdpa"))
     cpu_fused_decode: str = option(
         "auto", "CPU: run decode steps (every step with --batch-invariant) as one native "

@@ -29,7 +29,8 @@ from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
 from service.worker.logprob_rows import prompt_rows, sampled_logprobs, score_prompt_rows
-from service.worker.sampler import GREEDY_EPS, build_sampling_tensors, make_generator, sample
+from service.worker.sampler import (GREEDY_EPS, build_sampling_tensors, check_sampling_params,
+                                   greedy_tokens, make_generator, sample)
 from service.worker.section_timer import SectionTimer
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -413,12 +414,12 @@ class ModelRunner:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
         failed: dict[str, str] = {}
         try:
-            tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
+            check_sampling_params([s.params for s in sampling])
         except ValueError:  # admission checks params: find the row, keep the others
             keep = []
             for i, s in enumerate(sampling):
                 try:
-                    build_sampling_tensors([s.params])
+                    check_sampling_params([s.params])
                     keep.append(i)
                 except ValueError as e:
                     failed[s.request_id] = str(e)
@@ -426,11 +427,13 @@ class ModelRunner:
             logits = logits[keep]
             if not sampling:
                 return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
-            tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
         greedy = all(s.params.temperature is not None and s.params.temperature < GREEDY_EPS
                      for s in sampling)
-        token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling],
-                              all_greedy=greedy)
+        if greedy:  # no sampling tensors to build: one argmax a row
+            token_tensor = greedy_tokens(logits)
+        else:
+            tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
+            token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling])
         tokens = token_tensor.tolist()
         lps = sampled_logprobs(logits, token_tensor, sampling)
         if tm is not None:
