@@ -68,6 +68,22 @@ inline int64_t num_chunks(int64_t ctx, int block_size) {
   return std::min(blocks, std::max<int64_t>(1, (ctx + kChunkTokens / 2) / kChunkTokens));
 }
 
+// Calls f(t, row) for tokens t of blocks [b0, b1) of a table, in order, up to token t1 - 1;
+// row = token t's [Hkv, D] row of `cache` (token_stride floats). Prefetches each next block's
+// first line (block ids are scattered, so the hardware prefetcher cannot guess it; prefetching
+// whole blocks measured slower).
+template <class F>
+inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, int64_t b1,
+                         int64_t t1, int block_size, int64_t token_stride, F&& f) {
+  const int64_t block_floats = block_size * token_stride;
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* rows = cache + table[b] * block_floats;
+    if (b + 1 < b1) __builtin_prefetch(cache + table[b + 1] * block_floats);
+    const int64_t nt = std::min<int64_t>(block_size, t1 - b * block_size);
+    for (int64_t j = 0; j < nt; ++j) f(b * block_size + j, rows + j * token_stride);
+  }
+}
+
 // One chunk of one decode, every query head: blocks [b0, b1) of its table (tokens t0 .. t1-1).
 // Each block is read once, as whole rows of all its KV heads, and scored (or summed) while in
 // L1. Writes, per query head hq, the chunk's max score m[hq], sum of exp(score - m) l[hq]
@@ -81,31 +97,22 @@ void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
                   int Hq, int Hkv, float scale, float* s, float* m, float* l, float* acc) {
   const int G = Hq / Hkv;
   const int64_t token_stride = static_cast<int64_t>(Hkv) * D;
-  const int64_t block_floats = block_size * token_stride;
   const int64_t t0 = b0 * block_size, t1 = std::min(ctx, b1 * block_size), len = t1 - t0;
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* rows = k_cache + table[b] * block_floats;
-    if (b + 1 < b1) {
-      const float* next = k_cache + table[b + 1] * block_floats;
-      __builtin_prefetch(next);
+  for_each_row(k_cache, table, b0, b1, t1, block_size, token_stride,
+               [&](int64_t t, const float* krow) {
+    float* st = s + (t - t0);  // s[hq * len + t - t0]
+    int hq = 0;
+    for (; hq + 3 <= Hq; hq += 3) {
+      const float a0 = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D);
+      const float a1 = dot<D>(q + (hq + 1) * D, krow + static_cast<int64_t>((hq + 1) / G) * D);
+      const float a2 = dot<D>(q + (hq + 2) * D, krow + static_cast<int64_t>((hq + 2) / G) * D);
+      st[hq * len] = a0 * scale;
+      st[(hq + 1) * len] = a1 * scale;
+      st[(hq + 2) * len] = a2 * scale;
     }
-    const int nt = static_cast<int>(std::min<int64_t>(block_size, t1 - b * block_size));
-    const int64_t tb = b * block_size - t0;
-    for (int j = 0; j < nt; ++j) {
-      const float* krow = rows + j * token_stride;
-      int hq = 0;
-      for (; hq + 3 <= Hq; hq += 3) {
-        const float a0 = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D);
-        const float a1 = dot<D>(q + (hq + 1) * D, krow + static_cast<int64_t>((hq + 1) / G) * D);
-        const float a2 = dot<D>(q + (hq + 2) * D, krow + static_cast<int64_t>((hq + 2) / G) * D);
-        s[hq * len + tb + j] = a0 * scale;
-        s[(hq + 1) * len + tb + j] = a1 * scale;
-        s[(hq + 2) * len + tb + j] = a2 * scale;
-      }
-      for (; hq < Hq; ++hq)
-        s[hq * len + tb + j] = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D) * scale;
-    }
-  }
+    for (; hq < Hq; ++hq)
+      st[hq * len] = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D) * scale;
+  });
   for (int hq = 0; hq < Hq; ++hq) {
     float* sh = s + hq * len;
     float mx = sh[0];
@@ -120,28 +127,19 @@ void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
     l[hq] = sum;
   }
   std::fill(acc, acc + static_cast<int64_t>(Hq) * D, 0.f);
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* rows = v_cache + table[b] * block_floats;
-    if (b + 1 < b1) {
-      const float* next = v_cache + table[b + 1] * block_floats;
-      __builtin_prefetch(next);
-    }
-    const int nt = static_cast<int>(std::min<int64_t>(block_size, t1 - b * block_size));
-    const int64_t tb = b * block_size - t0;
-    for (int j = 0; j < nt; ++j) {
-      const float* vrow = rows + j * token_stride;
-      for (int hq = 0; hq < Hq; ++hq) {
-        const float p = s[hq * len + tb + j];
-        const float* v = vrow + static_cast<int64_t>(hq / G) * D;
-        float* ah = acc + static_cast<int64_t>(hq) * D;
+  for_each_row(v_cache, table, b0, b1, t1, block_size, token_stride,
+               [&](int64_t t, const float* vrow) {
+    for (int hq = 0; hq < Hq; ++hq) {
+      const float p = s[hq * len + t - t0];
+      const float* v = vrow + static_cast<int64_t>(hq / G) * D;
+      float* ah = acc + static_cast<int64_t>(hq) * D;
 #pragma GCC unroll 32
-        for (int c = 0; c < D / 8; ++c) {
-          const v8 r = load8(ah + 8 * c) + p * load8(v + 8 * c);
-          std::memcpy(ah + 8 * c, &r, sizeof(r));
-        }
+      for (int c = 0; c < D / 8; ++c) {
+        const v8 r = load8(ah + 8 * c) + p * load8(v + 8 * c);
+        std::memcpy(ah + 8 * c, &r, sizeof(r));
       }
     }
-  }
+  });
 }
 
 template <int D>
