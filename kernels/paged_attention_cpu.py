@@ -279,7 +279,8 @@ def cpu_paged_attention(
         ValueError: q rows differ from the plan's, or the head counts are not a
             multiple of each other, or the cache is not contiguous (and, for a plan
             with kernel_decodes, what ``decode_attention_cpu`` rejects).
-        KernelBuildError: a plan with kernel_decodes, and the C++ kernel does not build.
+        KernelBuildError: a plan with kernel_decodes or prefill_kernel, and that C++ kernel
+            does not build.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
