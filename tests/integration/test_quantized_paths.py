@@ -32,10 +32,14 @@ for _isa in qlc.VARIANTS:
     BOUNDS_OF[f"cpp-q8_0x8-{_isa}"] = (0.995, 0.8)
 if int8_isa().reduce_range:
     # fbgemm without VNNI in force quantizes activations to 7 bits, with one range per call
-    # over the whole 66-token chunk: measured on AVX2 (Zen 3) cosine 0.9805, agreement
-    # 0.697 (46 of 66 tokens), on the edge of int8's (0.98, 0.7). The server never picks it
-    # for many-row calls (the per-tensor range is refused there); this only checks it runs.
-    BOUNDS_OF["fbgemm"] = (0.97, 0.6)
+    # over the whole 66-token chunk, and that is chaotic: measured on AVX2 (Zen 3), the
+    # same weights give cosine 0.964-0.981 and agreement 0.53-0.70 when the embeddings are
+    # scaled by 1 + 1e-6 noise (six draws), or when prefill attention changes only its
+    # summation order (SDPA 0.9805 / 0.697, our C++ kernel 0.9689 / 0.561, whose outputs
+    # differ from SDPA's by 1e-6). The server never picks it for many-row calls (the
+    # per-tensor range is refused there); this checks it runs and is not broken (a wrong
+    # kernel gives agreement near 0).
+    BOUNDS_OF["fbgemm"] = (0.95, 0.45)
 AUTO_EXACT = (0.9999, 0.95)
 
 
