@@ -109,6 +109,7 @@ class DiskTier:
         self.queue_bytes = max(queue_bytes, min_queue_blocks * self.payload_nbytes)
         self.max_loads = max_loads
         self._lock = threading.Lock()
+        self._off_lock = threading.Lock()
         self._queued: set[bytes] = set()  # digests waiting in the write queue
         self._inflight_bytes = 0
         self._loads_inflight = 0
@@ -173,10 +174,14 @@ class DiskTier:
             self.stats.blocks_evicted += 1
 
     def _turn_off(self, what: str, error: BaseException) -> None:
-        if self.enabled:
-            self.enabled = False
-            log.error("kv disk tier off after a %s error (serving goes on without it): %s",
-                      what, error)
+        # The log line goes out before `enabled` flips, so that whoever sees the tier off
+        # can find the reason already logged; the lock keeps it to one line when the writer
+        # and the step thread fail at once.
+        with self._off_lock:
+            if self.enabled:
+                log.error("kv disk tier off after a %s error (serving goes on without it): %s",
+                          what, error)
+                self.enabled = False
 
     # ---- the step thread's calls ---------------------------------------------------------
     def lookup(self, digests: Sequence[bytes]) -> int:
