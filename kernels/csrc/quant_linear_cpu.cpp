@@ -656,8 +656,8 @@ void run_act8(const Problem& pb, int num_threads) {
 // against 5.8 G FMA/s on one core, measured), so a compute-bound (many-row) call can run up
 // to twice as fast as fp32 activations; the weights are read as they are stored. (In
 // practice, in a 512-token prefill on that Zen 3: 44 G MAC/s a thread for the 6-row tile,
-// against 41.5 for MKL's fp32 sgemm in the same profile: the gain there is bytes, not time.) The sums
-// stay exact: |qw qx| <= 127 * 32767, 256 of them < 2^31. The same integer and float
+// against 41.5 for MKL's fp32 sgemm in the same profile: the gain there is bytes, not
+// time.) The sums stay exact: |qw qx| <= 127 * 32767, 256 of them < 2^31. The same integer and float
 // operations in both builds and for every row count: batch-invariant, bit-identical builds.
 // A work item is a panel of 16 channels for a block of rows; a tile is R <= 6 rows (12
 // int32 sums, 2 weight vectors and a broadcast in 16 ymm registers; totals in memory).
