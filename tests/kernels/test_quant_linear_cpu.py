@@ -232,7 +232,8 @@ def test_packed_sizes() -> None:
 
 # (base format, bound on the relative error against the fp32-activation product, extra row
 # counts) per activation-quantizing format: x8's tiles are 4 / 2 / 1 rows; x16's 6 down to 1,
-# in work items of 48 rows, with a strip of unpacked weights from 12 rows.
+# in work items of 48 rows, with a strip of unpacked weights from 12 rows (1 row: whole
+# blocks; 2 and 3 rows: half blocks).
 ACT_CASES = {**{f: (base, 0.02, [2, 3, 5, 9]) for f, base in ACT8_FORMATS.items()},
              **{f: (base, 1e-4, [2, 3, 5, 6, 11, 12, 13, 47, 48, 49, 97])
                 for f, base in ACT16_FORMATS.items()}}
