@@ -745,8 +745,8 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
   hi = _mm256_unpackhi_epi16(a, b);
 }
 
-// A one-row call (tile16 with C = 4; and 2-3 rows, C = 2) prefetches the weight line this many bytes ahead of the
-// k pair it reads: 32 k pairs for q4_1 (one 64-byte line each), 8 for q8_0 (two lines each),
+// A one-row call (tile16 with C = 4; 2-3 rows: C = 2) prefetches the weight line this many
+// bytes ahead of the k pair it reads: 32 k pairs for q4_1 (one 64-byte line each), 8 for q8_0 (two lines each),
 // running on into the thread's next block. Such a call lasts tens of microseconds, too short
 // for the hardware prefetcher to reach full stream depth. Measured on Zen 3 (AVX2, 2 threads,
 // 30 layers' weights and the LM head streamed cold, alternating builds in one process):
