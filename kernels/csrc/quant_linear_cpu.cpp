@@ -746,12 +746,13 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
 }
 
 // A one-row call (tile16 with C = 4; 2-3 rows: C = 2) prefetches the weight line this many
-// bytes ahead of the k pair it reads: 32 k pairs for q4_1 (one 64-byte line each), 8 for q8_0 (two lines each),
-// running on into the thread's next block. Such a call lasts tens of microseconds, too short
-// for the hardware prefetcher to reach full stream depth. Measured on Zen 3 (AVX2, 2 threads,
-// 30 layers' weights and the LM head streamed cold, alternating builds in one process):
-// 120 layers at one row 5.24 -> 4.78 ms, LM head 1.72 -> 1.55 ms; a plain read of the same
-// bytes over the same split, without prefetching, took 5.2 and 1.6-1.7 ms.
+// bytes ahead of the k pair it reads: 32 k pairs for q4_1 (one 64-byte line each), 8 for
+// q8_0 (two lines each), running on into the thread's next block. Such a call lasts tens of
+// microseconds, too short for the hardware prefetcher to reach full stream depth. Measured
+// on Zen 3 (AVX2, 2 threads, 30 layers' weights and the LM head streamed cold, alternating
+// builds in one process): 120 layers at one row 5.24 -> 4.78 ms, LM head 1.72 -> 1.55 ms; a
+// plain read of the same bytes over the same split, without prefetching, took 5.2 and
+// 1.6-1.7 ms.
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
 // Rows m0 .. m0+R-1 of panels p0 .. p0+C-1: every group's integer sums, the float steps,
