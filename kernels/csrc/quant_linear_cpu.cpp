@@ -657,8 +657,9 @@ void run_act8(const Problem& pb, int num_threads) {
 // to twice as fast as fp32 activations; the weights are read as they are stored. (In
 // practice, in a 512-token prefill on that Zen 3: 44 G MAC/s a thread for the 6-row tile,
 // against 41.5 for MKL's fp32 sgemm in the same profile: the gain there is bytes, not
-// time.) The sums stay exact: |qw qx| <= 127 * 32767, 256 of them < 2^31. The same integer and float
-// operations in both builds and for every row count: batch-invariant, bit-identical builds.
+// time.) The sums stay exact: |qw qx| <= 127 * 32767, 256 of them < 2^31. The same integer
+// and float operations in both builds and for every row count: batch-invariant,
+// bit-identical builds.
 // A work item is a panel of 16 channels for a block of rows; a tile is R <= 6 rows (12
 // int32 sums, 2 weight vectors and a broadcast in 16 ymm registers; totals in memory).
 
@@ -772,17 +773,15 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       for (int c = 0; c < C; ++c) s[r][c][0] = s[r][c][1] = _mm256_setzero_si256();
     const int64_t k1 = (g + 1) * pb.group;
     for (int64_t k = g * pb.group; k < k1; k += 2) {
-      if constexpr (C > 1) {  // the few-row layouts: see kGemvPrefetchBytes
-        if (strip == nullptr) {
-          if constexpr (Fmt == 3) {
-            __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
-                               kGemvPrefetchBytes);
-          } else {
-            const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) +
-                             kGemvPrefetchBytes / 2;
-            __builtin_prefetch(pw);
-            __builtin_prefetch(pw + 64);
-          }
+      if constexpr (C > 1) {  // the few-row layouts (never a strip): see kGemvPrefetchBytes
+        if constexpr (Fmt == 3) {
+          __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
+                             kGemvPrefetchBytes);
+        } else {
+          const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) +
+                           kGemvPrefetchBytes / 2;
+          __builtin_prefetch(pw);
+          __builtin_prefetch(pw + 64);
         }
       }
       for (int c = 0; c < C; ++c) {
