@@ -607,7 +607,12 @@ void strip_tile(const Problem& pb, const Act8& a, int64_t strip, int64_t m0) {
       if (pb.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(pb.bias + n0 + 8 * c));
       _mm256_store_ps(out + 8 * c, v);
     }
-    std::memcpy(pb.y + (m0 + r) * pb.y_stride + n0, out, static_cast<size_t>(valid) * sizeof(float));
+    float* yr = pb.y + (m0 + r) * pb.y_stride + n0;
+    if (valid == 32) {  // not a `rep movsq` memcpy (see tile16)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(yr + 8 * c, _mm256_load_ps(out + 8 * c));
+    } else {
+      std::memcpy(yr, out, static_cast<size_t>(valid) * sizeof(float));
+    }
   }
 }
 
@@ -757,8 +762,8 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
 // Rows m0 .. m0+R-1 of panels p0 .. p0+C-1: every group's integer sums, the float steps,
-// the bias. The weight pairs come from `strip` ([K / 2][2] vectors, pair_weights16's lo and
-// hi; C = 1 only) when given.
+// the bias. The weight pairs come from `strip` ([K / 2][2] vectors: channels 0-7 and 8-15,
+// pair_weights16's lo and hi put in channel order; C = 1 only) when given.
 template <int Fmt, int R, int C>
 void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m256i* strip) {
   alignas(32) float tot[R][C][16];
@@ -817,8 +822,11 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m256 vdx = _mm256_set1_ps(a.d[m * pb.groups + g]);
-        const __m256i i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);  // ch 0-7
-        const __m256i i1 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x31);  // 8-15
+        __m256i i0 = s[r][c][0], i1 = s[r][c][1];  // a strip's sums: channels 0-7, 8-15
+        if (strip == nullptr) {  // packed pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
+          i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);
+          i1 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x31);
+        }
         __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, vdx),
                                     _mm256_load_ps(tot[r][c]));
         __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx),
@@ -840,8 +848,13 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
     for (int r = 0; r < R; ++r) {
       if (pb.bias != nullptr)
         for (int j = 0; j < 16; ++j) tot[r][c][j] += pb.bias[c0 + j];
-      std::memcpy(pb.y + (m0 + r) * pb.y_stride + c0, tot[r][c],
-                  static_cast<size_t>(valid) * sizeof(float));
+      float* yr = pb.y + (m0 + r) * pb.y_stride + c0;
+      if (valid == 16) {  // GCC makes the 64-byte memcpy a `rep movsq`: 5% of a 48-row call
+        _mm256_storeu_ps(yr, _mm256_load_ps(tot[r][c]));
+        _mm256_storeu_ps(yr + 8, _mm256_load_ps(tot[r][c] + 8));
+      } else {
+        std::memcpy(yr, tot[r][c], static_cast<size_t>(valid) * sizeof(float));
+      }
     }
   }
 }
@@ -856,7 +869,12 @@ void rows16(const Problem& pb, const Act16& a, int64_t p, int64_t m0, int64_t m1
   const __m256i* strip = nullptr;
   if (m1 - m0 >= kAct16StripRows) {
     buf.resize(static_cast<size_t>(pb.K));
-    for (int64_t k = 0; k < pb.K; k += 2) pair_weights16<Fmt>(pb, p, k, buf[k], buf[k + 1]);
+    for (int64_t k = 0; k < pb.K; k += 2) {  // in channel order: no permute per row and group
+      __m256i lo, hi;
+      pair_weights16<Fmt>(pb, p, k, lo, hi);
+      buf[k] = _mm256_permute2x128_si256(lo, hi, 0x20);      // channels 0-7
+      buf[k + 1] = _mm256_permute2x128_si256(lo, hi, 0x31);  // 8-15
+    }
     strip = buf.data();
   }
   int64_t m = m0;
