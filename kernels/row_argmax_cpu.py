@@ -19,7 +19,7 @@ SOURCE = Path(__file__).parent / "csrc" / "row_argmax_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17")
 """No -ffast-math: the NaN checks must keep IEEE semantics."""
 
-__all__ = ["LIBRARY", "build_problem", "row_argmax"]
+__all__ = ["LIBRARY", "build_problem", "row_argmax", "supports"]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -38,6 +38,14 @@ def build_problem() -> str | None:
     return LIBRARY.problem()
 
 
+def supports(logits: torch.Tensor) -> bool:
+    """Whether ``row_argmax`` takes `logits` ([B, V] float32 on the CPU, V >= 1, unit stride
+    along V, rows a non-negative stride apart); callers route other tensors elsewhere."""
+    return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.shape[1] > 0 and (logits.shape[1] == 1 or logits.stride(1) == 1)
+            and logits.stride(0) >= 0)
+
+
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B] int64: the first index of each row's maximum, or -1 where the row's maximum is not
     finite (a NaN anywhere, +inf, or every value -inf), as ``torch.max(logits, -1)`` with
@@ -51,9 +59,7 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
         ValueError: a dtype, device, shape or stride outside the above.
         KernelBuildError: the kernel could not be built or loaded.
     """
-    if (logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
-            or logits.shape[1] == 0 or (logits.shape[1] > 1 and logits.stride(1) != 1)
-            or logits.stride(0) < 0):
+    if not supports(logits):
         raise ValueError(f"logits must be [B, V] float32 on the CPU with unit stride along V, "
                          f"got {logits.dtype} {tuple(logits.shape)} strides {logits.stride()} "
                          f"on {logits.device}")
