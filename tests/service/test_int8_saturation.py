@@ -70,6 +70,7 @@ SATURATING = LinearPath("int16-pairs", "int8", False, True,
 def _no_disk_cache(monkeypatch):
     monkeypatch.setattr(choice, "_load_cache", dict)
     monkeypatch.setattr(choice, "_save_cache", lambda t: None)
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})  # fake timings stay in this test
 
 
 def test_the_capability_this_test_runs_under_is_reported() -> None:

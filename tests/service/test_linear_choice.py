@@ -52,6 +52,7 @@ def _no_disk_cache(monkeypatch):
     monkeypatch.setattr(choice, "_load_cache", lambda: dict(store))
     monkeypatch.setattr(choice, "_save_cache", lambda t: store.update(t))
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})  # fake timings stay in this test
     return store
 
 

@@ -63,6 +63,7 @@ def test_the_timing_cache_line_says_found_or_not_and_what_was_retimed(monkeypatc
     monkeypatch.setattr(choice, "_load_cache", lambda: dict(store))
     monkeypatch.setattr(choice, "_save_cache", lambda t: store.update(t))
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
     path = LinearPath("dense", "none", True, False, lambda lw: DenseLinear(lw.weight, lw.bias),
                       lambda: None)
     layers = {"qkv": (torch.randn(24, 16), None)}
