@@ -67,12 +67,15 @@ def test_auto_serves_the_files_formats_and_the_oracles_answers(runners, tokenize
         assert getattr(getattr(one_row, "packed", None), "fmt", fmt) in (fmt, f"{fmt}x16", "f32")
     a, b = all_logits(fp32, tokenizer.encode(TEXT)), all_logits(auto, tokenizer.encode(TEXT))
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
-    # the same weights: summation order only (bf16, if chosen here, stays within its bound)
+    # the same weights: summation order only
     assert float(cosine.min()) > 0.999 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95
     chosen = {n for names in plan.choices.values() for n in names}
-    if "bf16" not in chosen and not any("x16-" in n for n in chosen):
+    # never bf16 on the file's layers, even where it is the fastest (AVX512-BF16, AMX): it
+    # would round their blocks, and on a Zen 4 it took argmax agreement on TEXT down to 0.939
+    assert "bf16" not in chosen
+    if not any("x16-" in n for n in chosen):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)  # summation order only
-    elif "bf16" not in chosen:
+    else:
         # int16 activations: 2^-16 of each group's largest |x|; with them on every layer at
         # 64 rows and on the LM head, measured max |diff| 0.0086 on logits up to 35 (AVX2)
         torch.testing.assert_close(b, a, atol=3e-2, rtol=1e-3)

@@ -201,7 +201,7 @@ def test_lm_eval_local_completions_loglikelihood_matches_the_oracle(server, hf_m
         with torch.no_grad():
             lp = torch.log_softmax(hf_model(torch.tensor([w])).logits[0].float(), -1)
         ref = sum(lp[p - 1, w[p]].item() for p in range(len(c), len(w)))
-        # auto's weights may run prefill rows in bf16 on AMX CPUs: a loose bound
+        # auto may multiply by int16 activations (logits within 3e-2): a loose bound
         assert ll == pytest.approx(ref, abs=0.05), (ctx, cont)
         assert greedy == all(lp[p - 1].argmax().item() == w[p] for p in range(len(c), len(w)))
     assert got[0][1] and not got[1][1]  # " Paris" is the greedy answer, " Berlin" is not

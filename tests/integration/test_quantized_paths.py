@@ -58,7 +58,10 @@ def test_int4_model_follows_its_plan_and_stays_close(loaded_model, fp32, text_lo
     int4 = make_runner(loaded_model, "int4", 256)
     plan = int4.linear_plan
     assert int4.model.quantization == "int4" and plan is not None
-    assert all(PATHS[n].mode == "int4" for names in plan.choices.values() for n in names)
+    # int4's own paths, or bf16 for calls of 16 rows and more where the CPU has it in
+    # hardware (AVX512-BF16 or AMX: it won there on a Zen 4)
+    assert all(PATHS[n].mode == "int4" or n == "bf16"
+               for names in plan.choices.values() for n in names)
     assert plan.smoothed_classes() == frozenset()  # weight-only: no calibration
     _check_follows_plan(int4.model, plan)
     b = all_logits(int4, tokenizer.encode(TEXT))

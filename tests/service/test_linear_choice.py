@@ -274,8 +274,9 @@ def _q4_layer(n: int, k: int):
 
 
 def test_auto_offers_native_paths_only_to_layers_with_their_blocks() -> None:
-    """auto on a GGUF file: the q4_1 layer may take cpp-q4_1 (its own blocks, exact), the
-    dense one only fp32 / cpp-f32 / bf16; bf16 is not timed below 16 rows."""
+    """auto on a GGUF file: the q4_1 layer may take cpp-q4_1 (its own blocks, exact) and
+    never bf16 (it would round them), the dense one only fp32 / cpp-f32 / bf16; bf16 is not
+    timed below 16 rows."""
     blocks, w = _q4_layer(64, 64)
     layers = {"qkv": (w, None), "lm_head": (torch.randn(40, 32), None)}
     paths = [PATHS[n] for n in ("fp32", "cpp-f32-avx2", "cpp-q4_1-avx2", "bf16")
@@ -294,6 +295,9 @@ def test_auto_offers_native_paths_only_to_layers_with_their_blocks() -> None:
     assert not any(n == "cpp-q4_1-avx2" and cls == "lm_head" for n, cls, _ in calls)
     assert not any(n == "bf16" and rows < 16 for n, _, rows in calls)
     assert plan.choices["lm_head"][1] == "bf16"  # the fake timer has it fastest from 16 rows
+    # fastest or not, bf16 is neither timed nor chosen for the layer with blocks
+    assert "bf16" not in plan.choices["qkv"]
+    assert not any(n == "bf16" and cls == "qkv" for n, cls, _ in calls)
     # a layer without blocks of the chosen format gets a path that can serve it
     mixed = LinearPlan("auto", False, {"qkv": ("cpp-q4_1-avx2",) * 4})
     if "cpp-q4_1-avx2" in names:
