@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.worker.loader import default_model_path
+from service.worker.loader import check_no_hub_kernels, default_model_path
 
 
 def load_tokenizer(model: str | None = None):
@@ -15,8 +15,10 @@ def load_tokenizer(model: str | None = None):
     (transformers reads the vocabulary out of it).
 
     Raises FileNotFoundError when the path is neither a .gguf file nor a folder with
-    config.json, or when the default model is not installed.
+    config.json, or when the default model is not installed; RuntimeError where Hugging
+    Face's `kernels` package shadows ours (``service.worker.loader.check_no_hub_kernels``).
     """
+    check_no_hub_kernels()
     from transformers import AutoTokenizer
 
     path = Path(model or default_model_path())

