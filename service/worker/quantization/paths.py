@@ -31,13 +31,13 @@ of the checkpoint's, not the same up to summation order. It wins only where the 
 bf16 in hardware (AMX, AVX512-BF16); elsewhere torch emulates it and the timing refuses it.
 On a Zen 4 (AVX512-BF16) it won the 64- and 512-row calls of the default GGUF's layers, and
 auto's argmax then agreed with the fp32 oracle on 93.9% of a text's positions: a GGUF layer
-serves the file's blocks as they are. The ``x16`` paths (the same blocks times int16 activations: a rounding of
-at most 2^-16 of each group's largest |x|, under ACT16_ERROR_BOUND) are offered in auto and
-auto-a8 alike: they multiply twice as many int16 pairs an instruction as fp32 FMAs, so
-compute-bound calls (prefill chunks, big batches) may run faster, and their error is
-a few hundred times below int8 activations' (2e-5 - 5e-5 against 0.005 - 0.03 on the
-same rows; README, accuracy report). Not in
---batch-invariant, which keeps the weights' fp32 product.
+serves the file's blocks as they are.
+The ``x16`` paths (the same blocks times int16 activations: a rounding of at most 2^-16 of
+each group's largest |x|, under ACT16_ERROR_BOUND) are offered in auto and auto-a8 alike:
+they multiply twice as many int16 pairs an instruction as fp32 FMAs, so compute-bound calls
+(prefill chunks, big batches) may run faster, and their error is a few hundred times below
+int8 activations' (2e-5 - 5e-5 against 0.005 - 0.03 on the same rows; README, accuracy
+report). Not in --batch-invariant, which keeps the weights' fp32 product.
 """
 
 from __future__ import annotations
