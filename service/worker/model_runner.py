@@ -22,6 +22,7 @@ from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
+from service.worker.huge_pages import zeros_on_huge_pages
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
 from service.worker.gguf_weights import linear_weights_of
@@ -102,7 +103,10 @@ class ModelRunner:
         per_block = self.model.kv_bytes_per_token(self.dtype) * cc.block_size
         self.num_blocks = cc.num_kv_blocks or max(2, cc.kv_cache_memory // per_block)
         shape = (2, self.num_blocks, cc.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On the CPU the cache's memory asks for 2 MiB pages: a step reads its blocks
+        # scattered over all of it (service/worker/huge_pages.py)
+        self.kv_caches = [zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
+                          else torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.kv_bytes_per_block = per_block

@@ -1,0 +1,68 @@
+"""A zeroed CPU tensor whose memory asks the kernel for transparent huge pages (2 MiB).
+
+The paged KV cache is large (tens of MB a layer) and a step reads its blocks scattered over
+all of it: on 4 KiB pages every block of K or V (12 KiB for SmolLM2) spans three pages, a TLB
+miss and a page walk each. Backed by 2 MiB pages the same reads miss the TLB far less.
+Measured on a 2-core Zen 4 (2026-12-04; the C++ decode attention over 30 layers' caches of
+2,912 blocks, ctx 300, alternating in one process): one decode 2.00 -> 1.80 ms (1.11x), 16
+decodes 21.4 -> 20.3 ms (1.05x).
+
+Linux only, and only where transparent huge pages are ``always`` or ``madvise`` (the
+common default); elsewhere the tensor is the same, on ordinary pages. Like
+``madvise(MADV_HUGEPAGE)`` in general it is advice: nothing fails without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+"""Bytes of an x86-64 transparent huge page."""
+MADV_HUGEPAGE = 14
+"""Linux's madvise advice number (include/uapi/asm-generic/mman-common.h)."""
+
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask for huge pages over the whole 2 MiB pages inside `t`'s memory (a CPU tensor).
+
+    Only pages not yet touched are then faulted in huge, so call it on a fresh
+    ``torch.empty`` before writing. Returns whether the advice was taken (False: not
+    Linux, a tensor smaller than a huge page, or madvise refused, e.g. THP ``never``).
+    """
+    if sys.platform != "linux" or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    hi = end // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return False
+    if _madvise()(lo, hi - lo, MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+        return False
+    return True
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype)`` on the CPU, its memory advised to huge pages first."""
+    t = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(t)
+    return t.zero_()

@@ -1,0 +1,49 @@
+"""The KV cache's memory advice: zeroed like torch.zeros, huge pages asked for where Linux
+offers them, and the runner's CPU cache built that way."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.worker import huge_pages
+
+
+def _thp_mode() -> str | None:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not path.exists():
+        return None
+    text = path.read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def test_zeroed_like_torch_zeros() -> None:
+    t = huge_pages.zeros_on_huge_pages((3, 1 << 20), torch.float32)  # 12 MiB
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and not t.any()
+    small = huge_pages.zeros_on_huge_pages((4, 4), torch.float16)
+    assert small.dtype == torch.float16 and not small.any()
+
+
+def test_small_or_foreign_tensors_are_not_advised() -> None:
+    assert huge_pages.advise_huge_pages(torch.empty(16)) is False  # no whole huge page inside
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or absent here")
+def test_the_advice_is_taken_and_the_pages_come_huge() -> None:
+    before = _anon_huge_kb()
+    t = torch.empty(8 << 20, dtype=torch.uint8)  # 8 MiB, untouched: 3 whole huge pages or more
+    assert huge_pages.advise_huge_pages(t)
+    t.fill_(1)  # faulted in now, as huge pages where the kernel could find them (one at least)
+    assert _anon_huge_kb() - before >= 2048
+
+
+def _anon_huge_kb() -> int:
+    """This process's anonymous memory on transparent huge pages, in KiB."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    raise AssertionError("no AnonHugePages line in /proc/self/smaps_rollup")
