@@ -9,7 +9,9 @@ decodes 21.4 -> 20.3 ms (1.05x).
 
 Linux only, and only where transparent huge pages are ``always`` or ``madvise`` (the
 common default); elsewhere the tensor is the same, on ordinary pages. Like
-``madvise(MADV_HUGEPAGE)`` in general it is advice: nothing fails without it.
+``madvise(MADV_HUGEPAGE)`` in general it is advice: nothing fails without it. (torch's CPU
+allocator has a switch of its own, ``THP_MEM_ALLOC_ENABLE=1``, read once at start-up and applied
+to every allocation of 2 MiB or more, weights included; this advises the cache alone.)
 """
 
 from __future__ import annotations

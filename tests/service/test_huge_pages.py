@@ -1,5 +1,5 @@
-"""The KV cache's memory advice: zeroed like torch.zeros, huge pages asked for where Linux
-offers them, and the runner's CPU cache built that way."""
+"""The KV cache's memory advice: zeroed like torch.zeros, and huge pages asked for (and
+given) where Linux offers them."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_zeroed_like_torch_zeros() -> None:
     assert small.dtype == torch.float16 and not small.any()
 
 
-def test_small_or_foreign_tensors_are_not_advised() -> None:
+def test_a_tensor_without_a_whole_huge_page_is_not_advised() -> None:
     assert huge_pages.advise_huge_pages(torch.empty(16)) is False  # no whole huge page inside
 
 
