@@ -63,24 +63,48 @@ inline float dot(const float* q, const float* k) {
 // on the other rows or on the thread count (batch invariance).
 constexpr int64_t kChunkTokens = 64;
 
+// The count is rounded up to an even number (still a function of the context alone): one
+// decode on two threads then splits evenly (at 300 tokens, 5 chunks had left one thread three
+// of them).
 inline int64_t num_chunks(int64_t ctx, int block_size) {
   const int64_t blocks = (ctx + block_size - 1) / block_size;
-  return std::min(blocks, std::max<int64_t>(1, (ctx + kChunkTokens / 2) / kChunkTokens));
+  int64_t chunks = std::max<int64_t>(1, (ctx + kChunkTokens / 2) / kChunkTokens);
+  chunks += chunks & 1;
+  return std::min(blocks, chunks);
 }
 
 // Calls f(t, row) for tokens t of blocks [b0, b1) of a table, in order, up to token t1 - 1;
-// row = token t's [Hkv, D] row of `cache` (token_stride floats). Prefetches each next block's
-// first line (block ids are scattered, so the hardware prefetcher cannot guess it; prefetching
-// whole blocks measured slower).
+// row = token t's [Hkv, D] row of `cache` (token_stride floats).
+// Prefetching: block ids are scattered, so the hardware prefetcher cannot follow a context
+// from block to block, and a step's K/V is cold (the weights streamed through the caches
+// since the layer's last step). With each token's row, the same row of the next block is
+// prefetched (one block ahead, spread over the block instead of in a burst), and, where
+// `also` is given (the V cache, during the K pass), the same token's row there into L2, so
+// that the V pass finds its rows fetched. Measured on a Zen 4 (2 threads, 30 layers over a
+// 2,912-block pool, in a C++ harness, with the even chunk count above): one decode at 300
+// tokens 1.39-1.69 -> 0.98-1.08 ms, 16 decodes 19.7 -> 15.1 ms; one whole block prefetched at
+// a chunk's start besides gained nothing.
 template <class F>
 inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, int64_t b1,
-                         int64_t t1, int block_size, int64_t token_stride, F&& f) {
+                         int64_t t1, int block_size, int64_t token_stride, F&& f,
+                         const float* also = nullptr) {
   const int64_t block_floats = block_size * token_stride;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   for (int64_t b = b0; b < b1; ++b) {
     const float* rows = cache + table[b] * block_floats;
-    if (b + 1 < b1) __builtin_prefetch(cache + table[b + 1] * block_floats);
+    const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(cache + table[b + 1] * block_floats)
+                                  : nullptr;
+    const char* other = also != nullptr ? reinterpret_cast<const char*>(also + table[b] * block_floats)
+                                        : nullptr;
     const int64_t nt = std::min<int64_t>(block_size, t1 - b * block_size);
-    for (int64_t j = 0; j < nt; ++j) f(b * block_size + j, rows + j * token_stride);
+    for (int64_t j = 0; j < nt; ++j) {
+      if (next != nullptr)
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(next + j * row_bytes + o);
+      if (other != nullptr)
+        for (int64_t o = 0; o < row_bytes; o += 64)
+          __builtin_prefetch(other + j * row_bytes + o, 0, 1);
+      f(b * block_size + j, rows + j * token_stride);
+    }
   }
 }
 
@@ -112,7 +136,7 @@ void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
     }
     for (; hq < Hq; ++hq)
       st[hq * len] = dot<D>(q + hq * D, krow + static_cast<int64_t>(hq / G) * D) * scale;
-  });
+  }, v_cache);
   for (int hq = 0; hq < Hq; ++hq) {
     float* sh = s + hq * len;
     float mx = sh[0];
