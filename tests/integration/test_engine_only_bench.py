@@ -35,6 +35,24 @@ def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> N
             assert sum(sections.values()) <= r["ms_per_step_mean"] * 1.0001
     r3 = results["decode-3"]["fp32/cpp/1t"]
     assert r3["tokens_per_s"] == pytest.approx(3 * r3["steps_per_s"])
+    # the decode-1 bandwidth bound: both bandwidths, and the weight bytes of each variant
+    bw = report["read_bandwidth"]
+    assert bw["before_gb_s"] > 0 and bw["after_gb_s"] > 0 and bw["threads"] == 1
+    bound = report["decode_1_bandwidth_bound"]
+    assert list(bound) == list(results["decode-1"])
+    fp32 = bound["fp32/cpp/1t"]
+    # fp32 reads every linear weight as stored: [N, K] float32 of the 30 layers' projections
+    # and the LM head (tied to the embedding in this checkpoint)
+    w = loaded_model.weights
+    projections = [t for name, t in w.items() if name.endswith("_proj.weight")]
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    dense = sum(t.numel() * 4 for t in [*projections, head])
+    assert fp32["weight_bytes_per_step"] == dense
+    assert bound["int8/cpp/1t"]["weight_bytes_per_step"] < dense / 3  # 1 byte a weight + scales
+    for b in bound.values():
+        assert b["read_gb_s"] == max(bw["before_gb_s"], bw["after_gb_s"])
+        assert b["bound_ms"] == pytest.approx(b["weight_bytes_per_step"] / (b["read_gb_s"] * 1e6))
+        assert b["fraction_of_bound"] == pytest.approx(b["bound_ms"] / b["ms_per_step"])
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
 
 

@@ -106,8 +106,8 @@ def _llc_bytes() -> int:
     return best or 32 << 20
 
 
-def _weight_bytes(fn: object) -> int:
-    """Bytes of weight a bound path reads per call."""
+def weight_bytes(fn: object) -> int:
+    """Bytes of weight a bound path (or a dense layer with `.weight`) reads per call."""
     packed = getattr(fn, "packed", None)
     if packed is not None:
         return int(packed.nbytes)
@@ -125,7 +125,7 @@ def bound_copies(path: LinearPath, lw: LayerWeights,
     least 64 MiB), 2 to 64 copies."""
     target = target_bytes or max(64 << 20, 2 * _llc_bytes())
     first = path.bind(lw)
-    n = max(2, min(64, -(-target // max(_weight_bytes(first), 1))))
+    n = max(2, min(64, -(-target // max(weight_bytes(first), 1))))
     return [first] + [first.clone() for _ in range(n - 1)]  # type: ignore[attr-defined]
 
 
