@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 FAST, SLOW_REQUESTS, MAX_TOKENS = 8, 8, 32
 STALL_S = 2.0
-PAIRS = 2
+# Baseline / stalled pairs; the median ratio is checked. Three, so that one pair disturbed by
+# the shared host does not decide it: with two, the median is the mean, and one pair at 3.7x
+# (p99 190 ms against 51, the other pair 1.18x) failed a CI run on 2026-12-04.
+PAIRS = 3
 
 
 def _p99(values: list[float]) -> float:
