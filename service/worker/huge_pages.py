@@ -68,3 +68,24 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     t = torch.empty(shape, dtype=dtype)
     advise_huge_pages(t)
     return t.zero_()
+
+
+def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Copies of CPU `tensors` (same dtype, shape and values, contiguous) carved out of one
+    buffer whose memory is advised to huge pages before it is written: an arena, so that
+    many small tensors share 2 MiB pages instead of each taking (or missing) its own.
+    Each copy starts at a multiple of `align` bytes. The originals are left as they are."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // align) * align
+    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # slack to start on a 2 MiB page
+    skip = (-arena.data_ptr()) % HUGE_PAGE
+    arena = arena[skip:skip + total]
+    advise_huge_pages(arena)
+    out = []
+    for t, off, n in zip(tensors, offsets, sizes):
+        c = arena[off:off + n].view(t.dtype).view(t.shape)
+        out.append(c.copy_(t))
+    return out

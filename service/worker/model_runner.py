@@ -22,6 +22,7 @@ from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, load_model
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
+from service.worker.weight_pages import packed_weights_on_huge_pages
 from service.worker.huge_pages import zeros_on_huge_pages
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
@@ -124,6 +125,9 @@ class ModelRunner:
                                                  mc.batch_invariant, self.calibrate, gguf,
                                                  fused_rows=16 if fusing else 0)
             del gguf
+            if self.device.type == "cpu":  # before the fused forward keeps their addresses
+                moved = packed_weights_on_huge_pages(self.model)
+                log.debug("decode-bucket packed weights on huge pages: %.1f MB", moved / 1e6)
         # Decode steps (every step when batch-invariant) as one native call where the
         # linear plan put C++ kernels on every layer.
         self.model.fused, self.fused_decode = build_fused_forward(

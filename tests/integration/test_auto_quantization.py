@@ -82,3 +82,18 @@ def test_auto_serves_the_files_formats_and_the_oracles_answers(runners, tokenize
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     same = sum(x == y for x, y in zip(greedy(fp32, prompts, 8), greedy(auto, prompts, 8)))
     assert same >= len(prompts) - 1
+
+
+def test_decode_buckets_read_their_weights_from_one_huge_page_arena(runners) -> None:
+    # service/worker/weight_pages.py: the runner moved the 1-31-row paths' packed weights
+    from service.worker.quantization.paths import CppLinear
+
+    _, auto = runners
+    lins = [getattr(l, n) for l in auto.model.layers for n in ("qkv", "o", "gate_up", "down")]
+    packed = [fn.packed for lin in lins + [auto.model.lm_head]
+              for fn in (lin.fns[:2] if isinstance(lin, DispatchLinear) else [lin])
+              if isinstance(fn, CppLinear)]
+    assert len(packed) >= 121  # every layer and the LM head run a C++ kernel at one row
+    arenas = {t.untyped_storage().data_ptr() for p in packed
+              for t in (p.data, p.scale, p.minv, p.bias) if t is not None}
+    assert len(arenas) == 1

@@ -53,3 +53,17 @@ def _anon_huge_kb() -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     raise AssertionError("no AnonHugePages line in /proc/self/smaps_rollup")
+
+
+def test_copies_share_one_arena_and_keep_their_values() -> None:
+    originals = [torch.arange(5, dtype=torch.float16), torch.randn(3, 7),
+                 torch.randint(0, 255, (2, 3, 64), dtype=torch.uint8), torch.randn(4, 4)[:, 1]]
+    copies = huge_pages.copies_on_huge_pages(originals)
+    storage = copies[0].untyped_storage().data_ptr()
+    assert copies[0].data_ptr() % huge_pages.HUGE_PAGE == 0  # the arena starts on a huge page
+    for o, c in zip(originals, copies):
+        assert c.dtype == o.dtype and c.shape == o.shape and c.is_contiguous()
+        assert torch.equal(c, o) and c.data_ptr() != o.data_ptr()
+        assert c.untyped_storage().data_ptr() == storage and c.data_ptr() % 64 == 0
+    copies[1].zero_()
+    assert originals[1].abs().sum() > 0  # copies, not views of the originals
