@@ -7,8 +7,11 @@ stream across a page boundary, starts over. Copied into one arena advised to 2 M
 (`huge_pages.copies_on_huge_pages`), the same reads cross a page every 2 MiB.
 Measured on a 2-core Zen 4 (2026-12-04, C++ harness, 120 one-row q4_1 calls of SmolLM2's
 shapes over random weights, alternating 15 rounds): 4 KiB pages 2.30-2.48 ms, the arena
-2.03 ms (1.12-1.20x by round's median). On a 2-core Zen 3 (session 14) the same arena gave
-1.007x: it is advice that costs a copy at start-up, not a guarantee.
+2.03 ms (1.12-1.20x by round's median); in the real step, two engines alternating 10
+rounds, one decode 1.16x (median) and 16 decodes 0.99x. On a 2-core Zen 3 (session 14) the
+same arena gave 1.007x: it is advice that costs a copy at start-up (233 MB in 0.44 s for the
+default GGUF; 4 bytes a weight where fp32 C++ paths serve decode, as in the batch-invariant
+fp32 mode), not a guarantee.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ _CLASSES = ("qkv", "o", "gate_up", "down")
 def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     """Move the packed weights of `model`'s C++ linear paths that serve calls of up to
     `max_rows` rows (the memory-bound decode buckets; the LM head included) into one
-    huge-page arena, in place: each CppLinear then reads the copy, the old tensors are
-    freed. Many-row buckets are compute-bound and keep their pages (the fp32 copies some
+    huge-page arena, in place: each CppLinear then reads the copy, and the old tensors are
+    freed unless something else holds them. Many-row buckets are compute-bound and keep their pages (the fp32 copies some
     take would add 0.6 GB to the move). Call it before anything keeps the weights'
     addresses (the fused forward does). Returns the bytes moved (0 where no such path runs
     on a C++ kernel). The move holds both copies at once for a moment."""
