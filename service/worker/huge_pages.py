@@ -1,4 +1,6 @@
-"""A zeroed CPU tensor whose memory asks the kernel for transparent huge pages (2 MiB).
+"""CPU memory that asks the kernel for transparent huge pages (2 MiB): a zeroed tensor (the
+KV cache), and copies of many small tensors carved out of one such arena (the decode
+weights: service/worker/weight_pages.py).
 
 The paged KV cache is large (tens of MB a layer) and a step reads its blocks scattered over
 all of it: on 4 KiB pages every block of K or V (12 KiB for SmolLM2) spans three pages, a TLB
