@@ -15,14 +15,15 @@ measures it before and after its runs and states both.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from service.worker.quantization.choice import weight_bytes
 from service.worker.quantization.plan import DispatchLinear
 
-_CLASSES = ("qkv", "o", "gate_up", "down")
-
+if TYPE_CHECKING:
+    from service.worker.model import LlamaModel
 
 def read_bandwidth_gb_s(mib: int = 256, repeats: int = 10) -> float:
     """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes/s) of `x.sum()` over `mib` MiB of
@@ -37,20 +38,23 @@ def read_bandwidth_gb_s(mib: int = 256, repeats: int = 10) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model: object) -> int:
+def decode_weight_bytes(model: LlamaModel) -> int:
     """Bytes of linear-layer weights (scales and minima included) a one-row step reads: every
     decoder layer's qkv, o, gate_up and down and the LM head, each in the form its path at
     the one-row bucket reads (a DispatchLinear's first path). Norm weights and the one
     embedding row (a few KB) are left out."""
-    linears = [getattr(layer, n) for layer in model.layers for n in _CLASSES]  # type: ignore[attr-defined]
-    linears.append(model.lm_head)  # type: ignore[attr-defined]
     return sum(weight_bytes(lin.fns[0] if isinstance(lin, DispatchLinear) else lin)
-               for lin in linears)
+               for lin in model.linears())
+
+
+def bound_ms(weight_bytes_per_step: int, gb_s: float) -> float:
+    """The bandwidth bound of a step in ms: bytes / (gb_s * 1e9) * 1e3."""
+    return weight_bytes_per_step / (gb_s * 1e6)
 
 
 def bound_fraction(ms_per_step: float, weight_bytes_per_step: int, gb_s: float) -> float:
-    """The fraction of the bandwidth bound a step of `ms_per_step` reaches: bound ms / step ms,
-    with bound ms = bytes / (gb_s * 1e9) * 1e3. Raises ValueError for a non-positive input."""
+    """The fraction of the bandwidth bound a step of `ms_per_step` reaches: bound_ms / step
+    ms. Raises ValueError for a non-positive input."""
     if ms_per_step <= 0 or weight_bytes_per_step <= 0 or gb_s <= 0:
         raise ValueError("step time, bytes and bandwidth must be positive")
-    return weight_bytes_per_step / (gb_s * 1e6) / ms_per_step
+    return bound_ms(weight_bytes_per_step, gb_s) / ms_per_step

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
-from service.bench.bandwidth import bound_fraction, decode_weight_bytes, read_bandwidth_gb_s
+from service.bench.bandwidth import (bound_fraction, bound_ms, decode_weight_bytes,
+                                     read_bandwidth_gb_s)
 from service.bench.cpu_hog import CpuHog
 from service.bench.engine_runs import (SECTIONS, RunStats, Scenario, DecodeRun, PrefillRun,
                                        text_tokens, summarize)
@@ -278,7 +279,7 @@ def _bandwidth_bound(results: dict[str, dict[str, dict[str, object]]],
         wb = decode_weight_bytes(runners[variant].model)
         ms = float(r["ms_per_step_median"])  # type: ignore[arg-type]
         out[variant] = {"weight_bytes_per_step": wb, "read_gb_s": gb_s,
-                        "bound_ms": wb / (gb_s * 1e6), "ms_per_step": ms,
+                        "bound_ms": bound_ms(wb, gb_s), "ms_per_step": ms,
                         "fraction_of_bound": bound_fraction(ms, wb, gb_s)}
     return out
 

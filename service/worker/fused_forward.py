@@ -40,7 +40,7 @@ def _cpp_at(linear: object, bucket: int) -> tuple | None:
 
 def fusable_buckets(model: LlamaModel) -> list[int]:
     """Indices into BUCKETS where every linear layer (LM head included) is a C++ kernel."""
-    linears = [getattr(layer, n) for layer in model.layers for n in _CLASSES] + [model.lm_head]
+    linears = model.linears()
     return [b for b in range(len(BUCKETS)) if all(_cpp_at(lin, b) for lin in linears)]
 
 

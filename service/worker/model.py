@@ -28,6 +28,7 @@ from kernels import KernelOps
 from kernels.attention_metadata import AttentionMetadata
 from service.worker.loader import LoadedModel
 from service.worker.quantization import AmaxObserver, DenseLinear, Linear
+from service.worker.quantization.census import LAYER_CLASSES
 from service.worker.quantization.plan import bucket_index
 from service.worker.quantization.smoothing import fold_smoothing
 
@@ -122,6 +123,11 @@ class LlamaModel:
             for layer, obs in zip(self.layers, observed):
                 for n in names:
                     setattr(layer, n, obs[n].inner)
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer a forward runs: each decoder layer's qkv, o, gate_up and down,
+        in layer order, then the LM head."""
+        return [getattr(layer, n) for layer in self.layers for n in LAYER_CLASSES] + [self.lm_head]
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Per linear shape class ("qkv", "o", "gate_up", "down", "lm_head"): the first

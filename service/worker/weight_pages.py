@@ -27,21 +27,18 @@ from service.worker.quantization.plan import DispatchLinear, bucket_index
 if TYPE_CHECKING:
     from service.worker.model import LlamaModel
 
-_CLASSES = ("qkv", "o", "gate_up", "down")
-
-
 def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     """Move the packed weights of `model`'s C++ linear paths that serve calls of up to
     `max_rows` rows (the memory-bound decode buckets; the LM head included) into one
     huge-page arena, in place: each CppLinear then reads the copy, and the old tensors are
-    freed unless something else holds them. Many-row buckets are compute-bound and keep their pages (the fp32 copies some
-    take would add 0.6 GB to the move). Call it before anything keeps the weights'
-    addresses (the fused forward does). Returns the bytes moved (0 where no such path runs
-    on a C++ kernel). The move holds both copies at once for a moment."""
-    linears = [getattr(layer, n) for layer in model.layers for n in _CLASSES] + [model.lm_head]
+    freed unless something else holds them. Many-row buckets are compute-bound and keep
+    their pages (the fp32 copies some take would add 0.6 GB to the move). Call it before
+    anything keeps the weights' addresses (the fused forward does). Returns the bytes moved
+    (0 where no such path runs on a C++ kernel). The move holds both copies at once for a
+    moment."""
     buckets = range(bucket_index(max_rows) + 1)
     paths: dict[int, CppLinear] = {}  # by id: buckets that share a path share the object
-    for lin in linears:
+    for lin in model.linears():
         fns = [lin.fns[b] for b in buckets] if isinstance(lin, DispatchLinear) else [lin]
         for fn in fns:
             if isinstance(fn, CppLinear):
