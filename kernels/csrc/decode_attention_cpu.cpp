@@ -79,11 +79,16 @@ inline int64_t num_chunks(int64_t ctx, int block_size) {
 // from block to block, and a step's K/V is cold (the weights streamed through the caches
 // since the layer's last step). With each token's row, the same row of the next block is
 // prefetched (one block ahead, spread over the block instead of in a burst), and, where
-// `also` is given (the V cache, during the K pass), the same token's row there into L2, so
-// that the V pass finds its rows fetched. Measured on a Zen 4 (2 threads, 30 layers over a
-// 2,912-block pool, in a C++ harness, with the even chunk count above): one decode at 300
-// tokens 1.39-1.69 -> 0.98-1.08 ms, 16 decodes 19.7 -> 15.1 ms; one whole block prefetched at
-// a chunk's start besides gained nothing.
+// `also` is given (the V cache, during the K pass), the same token's row there, so that the
+// V pass finds its rows fetched. Both go into L2 (prefetcht1 / prefetcht2), not L1: a
+// prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and
+// 24 lines a token in flight left the demand loads waiting for them. Measured on a Zen 4
+// (2 threads, 30 layers over 2,912-block pools on huge pages, in a C++ harness, with the even
+// chunk count above): the next block into L1 -> L2 took one decode at 300 tokens from
+// 0.80-1.00 to 0.64-0.87 ms, 4 decodes at 400 from 4.08 to 3.60, 16 at 400 from 16.9-17.6 to
+// 13.5-14.9 (1.12-1.25x); before that, prefetching rows at all (against the next block's first
+// line only) had given 1.39-1.69 -> 0.98-1.08 ms and 19.7 -> 15.1 ms. One whole block
+// prefetched at a chunk's start, or a second block ahead, gained nothing.
 template <class F>
 inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, int64_t b1,
                          int64_t t1, int block_size, int64_t token_stride, F&& f,
@@ -98,11 +103,11 @@ inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, i
                                         : nullptr;
     const int64_t nt = std::min<int64_t>(block_size, t1 - b * block_size);
     for (int64_t j = 0; j < nt; ++j) {
-      if (next != nullptr)
-        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(next + j * row_bytes + o);
+      if (next != nullptr)  // locality 2: prefetcht1, into L2
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(next + j * row_bytes + o, 0, 2);
       if (other != nullptr)
         for (int64_t o = 0; o < row_bytes; o += 64)
-          __builtin_prefetch(other + j * row_bytes + o, 0, 1);
+          __builtin_prefetch(other + j * row_bytes + o, 0, 1);  // prefetcht2, into L2
       f(b * block_size + j, rows + j * token_stride);
     }
   }
