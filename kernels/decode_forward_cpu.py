@@ -78,10 +78,21 @@ class _Step(ctypes.Structure):
 def _setup(lib: ctypes.CDLL) -> None:
     lib.conveyor_decode_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     lib.conveyor_decode_forward.restype = ctypes.c_int
+    # the row ops of the unfused forward (kernels.rowwise_cpu)
+    i32 = ctypes.c_int
+    for name, args in (
+            ("conveyor_rms_norm_rows", [_p, _i64, _p, _f32, _i64, _i64, _p, _i64, i32]),
+            ("conveyor_add_rms_norm_rows", [_p, _i64, _p, _i64, _p, _f32, _i64, _i64, _p, _i64,
+                                            i32]),
+            ("conveyor_rotate_rows", [_p, _i64, _i64, _i64, _p, _p, _i64, i32]),
+            ("conveyor_silu_mul_rows", [_p, _i64, _i64, _i64, _p, _i64, i32])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i32
 
 
 LIBRARY = KernelLibrary(CppKernel("decode_forward_cpu", SOURCE, CXX_FLAGS), _setup)
-"""The fused forward's library, built and loaded on first use."""
+"""The fused forward's library (and the unfused forward's row ops, ``kernels.rowwise_cpu``),
+built and loaded on first use."""
 
 
 def build_problem() -> str | None:

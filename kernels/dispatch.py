@@ -9,8 +9,9 @@ module. (The linear layers are the one other route, and a separate concern: each
 Backends:
 - "triton": the Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, tests).
 - "torch": ``kernels.torch_ops``: attention through ``kernels.paged_attention_cpu`` (our
-  C++ decode kernel or SDPA), float32 small ops as fused torch calls, the references for
-  other dtypes. This is what serves on the CPU.
+  C++ decode kernel or SDPA), float32 small ops in C++ on the CPU (``kernels.rowwise_cpu``)
+  or as fused torch calls (a GPU without Triton, or no C++ build), the references for other
+  dtypes. This is what serves on the CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class KernelOps:
             x may be overwritten.
         rotary_tables(cos, sin [max_position, D/2], positions [T]) -> (cos, sin) gathered
             in the layout rotary_qkv takes.
-        rotary_qkv(qkv [T,(Hq+2Hkv)D], cos, sin, Hq, Hkv, D) -> (q, k rotated, v).
+        rotary_qkv(qkv [T,(Hq+2Hkv)D], cos, sin, Hq, Hkv, D) -> (q, k rotated, v);
+            qkv may be overwritten (the C++ row ops rotate it in place).
         silu_and_mul(x [T,2I]) -> [T,I]
         name: "triton" or "torch".
     """
@@ -57,10 +59,15 @@ class KernelOps:
     name: str
 
 
-def _torch_ops(layout: AttentionLayout) -> KernelOps:
-    from kernels import torch_ops
+def _torch_ops(layout: AttentionLayout, device: torch.device) -> KernelOps:
+    from kernels import rowwise_cpu, torch_ops
 
-    table = torch_ops.FUSED_F32 if layout.dtype == torch.float32 else torch_ops.REFERENCES
+    if layout.dtype != torch.float32:
+        table = torch_ops.REFERENCES
+    elif device.type == "cpu" and rowwise_cpu.build_problem() is None:
+        table = torch_ops.ROWWISE_F32
+    else:
+        table = torch_ops.FUSED_F32
     return KernelOps(plan_step=functools.partial(torch_ops.plan_step_cpu, layout),
                      name="torch", **table)
 
@@ -153,4 +160,4 @@ def select_ops(backend: str, device: torch.device | str,
     layout = layout or AttentionLayout(num_heads=1, num_kv_heads=1, head_dim=16)
     if resolve_backend(backend, device) == "triton":
         return _triton_ops(layout)
-    return _torch_ops(layout)
+    return _torch_ops(layout, torch.device(device))

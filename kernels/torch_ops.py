@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels import rowwise_cpu
 from kernels.activation import silu_and_mul_ref
 from kernels.attention_metadata import AttentionLayout, AttentionMetadata
 from kernels.paged_attention_cpu import CpuAttentionPlan, cpu_paged_attention, plan_cpu_attention
@@ -114,3 +115,8 @@ REFERENCES = {"rms_norm": rms_norm_ref, "fused_add_rms_norm": fused_add_rms_norm
 FUSED_F32 = {"rms_norm": rms_norm_f32, "fused_add_rms_norm": fused_add_rms_norm_f32,
              "rotary_tables": rotary_tables_f32, "rotary_qkv": rotary_qkv_f32,
              "silu_and_mul": silu_and_mul_f32, "attention": attention_cpu}
+ROWWISE_F32 = {"rms_norm": rowwise_cpu.rms_norm, "fused_add_rms_norm": rowwise_cpu.fused_add_rms_norm,
+               "rotary_tables": rowwise_cpu.rotary_tables, "rotary_qkv": rowwise_cpu.rotary_qkv,
+               "silu_and_mul": rowwise_cpu.silu_and_mul, "attention": attention_cpu}
+"""float32 on the CPU where the C++ library builds: the small ops in C++ (``kernels.rowwise_cpu``),
+FUSED_F32's torch calls otherwise."""

@@ -30,29 +30,44 @@ def test_kernels_run_natively_on_cuda_or_interpreted_on_cpu() -> None:
         assert isinstance(jitted, InterpretedFunction)
 
 
-def test_torch_backend_fp32_is_the_fused_cpu_path_and_other_dtypes_the_references() -> None:
-    from kernels import torch_ops
+def test_torch_backend_fp32_is_the_cpp_row_ops_and_other_dtypes_the_references(
+        monkeypatch) -> None:
+    from kernels import rowwise_cpu, torch_ops
 
     ops = select_ops("torch", torch.device("cpu"))
     assert isinstance(ops, KernelOps) and ops.name == "torch"
-    assert ops.rms_norm is torch_ops.rms_norm_f32
+    assert ops.rms_norm is rowwise_cpu.rms_norm
+    assert ops.rotary_qkv is rowwise_cpu.rotary_qkv
     assert ops.attention is torch_ops.attention_cpu
     half = select_ops("torch", torch.device("cpu"),
                       AttentionLayout(2, 1, 16, dtype=torch.bfloat16))
     assert half.rms_norm is kernels.rms_norm_ref
     assert half.fused_add_rms_norm is kernels.fused_add_rms_norm_ref
     assert half.silu_and_mul is kernels.silu_and_mul_ref
+    # without the C++ library (no compiler) float32 falls back to the fused torch calls
+    monkeypatch.setattr(rowwise_cpu, "build_problem", lambda: "no compiler")
+    assert select_ops("torch", torch.device("cpu")).rms_norm is torch_ops.rms_norm_f32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_ops_match_the_references(dtype) -> None:
-    """The fused float32 ops are the references' math (RMSNorm bit for bit)."""
+@pytest.mark.parametrize("variant", ["float32", "float32-torch", "bfloat16"])
+def test_torch_backend_ops_match_the_references(variant, monkeypatch) -> None:
+    """The float32 ops are the references' math: the C++ row ops up to float rounding, the
+    fused torch calls (no C++ build) with RMSNorm bit for bit."""
+    from kernels import rowwise_cpu
+
     torch.manual_seed(0)
+    dtype = torch.bfloat16 if variant == "bfloat16" else torch.float32
+    if variant == "float32-torch":
+        monkeypatch.setattr(rowwise_cpu, "build_problem", lambda: "no compiler")
     T, Hq, Hkv, D = 5, 4, 2, 16
     ops = select_ops("torch", "cpu", AttentionLayout(Hq, Hkv, D, dtype=dtype))
+    assert (ops.rms_norm is rowwise_cpu.rms_norm) == (variant == "float32")
     x, r, w = (torch.randn(T, 32, dtype=dtype) for _ in range(3))
     w = w[0]
-    assert torch.equal(ops.rms_norm(x, w, 1e-5), kernels.rms_norm_ref(x, w, 1e-5))
+    if variant == "float32":
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), kernels.rms_norm_ref(x, w, 1e-5))
+    else:
+        assert torch.equal(ops.rms_norm(x, w, 1e-5), kernels.rms_norm_ref(x, w, 1e-5))
     got = ops.fused_add_rms_norm(x.clone(), r, w, 1e-5)
     want = kernels.fused_add_rms_norm_ref(x, r, w, 1e-5)
     torch.testing.assert_close(got[0], want[0])
@@ -61,7 +76,7 @@ def test_torch_backend_ops_match_the_references(dtype) -> None:
     cos_t, sin_t = torch.randn(10, D // 2, dtype=dtype), torch.randn(10, D // 2, dtype=dtype)
     pos = torch.tensor([0, 3, 3, 9, 1])
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)
-    q, k, v = ops.rotary_qkv(qkv, *ops.rotary_tables(cos_t, sin_t, pos), Hq, Hkv, D)
+    q, k, v = ops.rotary_qkv(qkv.clone(), *ops.rotary_tables(cos_t, sin_t, pos), Hq, Hkv, D)
     q_ref, k_ref = kernels.rotary_embedding_ref(qkv[:, :Hq * D].view(T, Hq, D),
                                                 qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
                                                 cos_t[pos], sin_t[pos])
