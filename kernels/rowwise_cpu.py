@@ -43,7 +43,8 @@ def _check(rc: int, what: str) -> None:
 
 
 def _weight(w: torch.Tensor, n: int) -> None:
-    if w.dtype != torch.float32 or w.device.type != "cpu" or w.shape != (n,) or not w.is_contiguous():
+    if (w.dtype != torch.float32 or w.device.type != "cpu" or w.shape != (n,)
+            or not w.is_contiguous()):
         raise ValueError(f"weight must be a contiguous float32 CPU [{n}] tensor, got {w.dtype} "
                          f"shape {tuple(w.shape)}")
 
@@ -109,7 +110,8 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     _rows(qkv, "qkv")
     T, D, Hq, Hkv = qkv.shape[0], head_dim, num_heads, num_kv_heads
     if qkv.shape[1] != (Hq + 2 * Hkv) * D:
-        raise ValueError(f"qkv has {qkv.shape[1]} columns, not (Hq + 2 Hkv) D = {(Hq + 2 * Hkv) * D}")
+        raise ValueError(f"qkv has {qkv.shape[1]} columns, not (Hq + 2 Hkv) D = "
+                         f"{(Hq + 2 * Hkv) * D}")
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32 or t.shape != (T, D // 2) or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 [{T}, {D // 2}] tensor, got "

@@ -104,7 +104,8 @@ inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, i
     const int64_t nt = std::min<int64_t>(block_size, t1 - b * block_size);
     for (int64_t j = 0; j < nt; ++j) {
       if (next != nullptr)  // locality 2: prefetcht1, into L2
-        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(next + j * row_bytes + o, 0, 2);
+        for (int64_t o = 0; o < row_bytes; o += 64)
+          __builtin_prefetch(next + j * row_bytes + o, 0, 2);
       if (other != nullptr)
         for (int64_t o = 0; o < row_bytes; o += 64)
           __builtin_prefetch(other + j * row_bytes + o, 0, 1);  // prefetcht2, into L2

@@ -258,7 +258,8 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
 int conveyor_rms_norm_rows(const float* x, int64_t x_stride, const float* w, float eps,
                            int64_t M, int64_t n, float* y, int64_t y_stride, int threads) {
   if (M < 0 || n < 1 || x_stride < n || y_stride < n || threads < 1) return 1;
-  for_rows(M, threads, [&](int64_t m) { rms_norm_row(x + m * x_stride, w, eps, n, y + m * y_stride); });
+  for_rows(M, threads,
+           [&](int64_t m) { rms_norm_row(x + m * x_stride, w, eps, n, y + m * y_stride); });
   return 0;
 }
 
@@ -291,7 +292,8 @@ int conveyor_rotate_rows(float* v, int64_t stride, int64_t heads, int64_t D, con
 int conveyor_silu_mul_rows(const float* gu, int64_t gu_stride, int64_t M, int64_t I, float* out,
                            int64_t out_stride, int threads) {
   if (M < 0 || I < 1 || gu_stride < 2 * I || out_stride < I || threads < 1) return 1;
-  for_rows(M, threads, [&](int64_t m) { silu_mul_row(gu + m * gu_stride, I, out + m * out_stride); });
+  for_rows(M, threads,
+           [&](int64_t m) { silu_mul_row(gu + m * gu_stride, I, out + m * out_stride); });
   return 0;
 }
 

@@ -55,8 +55,8 @@ def test_rotary_qkv_rotates_q_and_k_in_place(rows) -> None:
     pos = torch.randint(0, 40, (rows,))
     q, k, v = rw.rotary_qkv(qkv, *rw.rotary_tables(cos_t, sin_t, pos), Hq, Hkv, D)
     q_ref, k_ref = kernels.rotary_embedding_ref(
-        original[:, :Hq * D].view(rows, Hq, D), original[:, Hq * D:(Hq + Hkv) * D].view(rows, Hkv, D),
-        cos_t[pos], sin_t[pos])
+        original[:, :Hq * D].view(rows, Hq, D),
+        original[:, Hq * D:(Hq + Hkv) * D].view(rows, Hkv, D), cos_t[pos], sin_t[pos])
     torch.testing.assert_close(q, q_ref)
     torch.testing.assert_close(k, k_ref)
     assert torch.equal(v, original[:, (Hq + Hkv) * D:].view(rows, Hkv, D))
