@@ -252,7 +252,8 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
 // Python; their small ops run here, over M rows on the threads, rather than as torch's
 // eager ops (a 512-row prefill step's RMSNorm, rotary and SiLU x mul took about 60 ms of
 // its 600 as torch calls). Rows are `*_stride` floats apart, elements contiguous. Each
-// returns 0, or 1 for a negative size, an odd head dim or a row stride below its row.
+// returns 0, or 1 for a negative row count, a row width below 1, an odd head dim, a row
+// stride below its row's width or a thread count below 1.
 
 // y[m] = rmsnorm(x[m]) * w  (n floats a row).
 int conveyor_rms_norm_rows(const float* x, int64_t x_stride, const float* w, float eps,

@@ -54,9 +54,9 @@ constexpr int kTileQueries = 16;  // query tokens per work item
 // Score rows a micro-kernel computes at once (R x BS8 vector accumulators over d): 8 where the
 // build has 32 vector registers (AVX-512), 4 with AVX2's 16. Measured on a Zen 4, 9 query / 3
 // KV heads of 64, block size 16 (16 accumulators, 16 independent FMA chains against 8): a
-// 512-token chunk at position 0 2.79-2.83 -> 2.35-2.38 ms, after 512 tokens 7.6-8.2 -> 6.4-7.0,
-// 200 rows at 400 1.30-1.49 -> 1.10-1.28, the same bits; built for AVX2 there, R = 8 measured
-// 1-2% slower than 4 (spills).
+// 512-token chunk at position 0 2.79-3.10 -> 2.35-2.60 ms, after 512 tokens 7.6-8.2 -> 6.4-7.0,
+// 200 rows at 400 1.30-1.49 -> 1.10-1.29, the same bits (with the two softmax changes in tile);
+// built for AVX2 there, R = 8 measured 1-2% slower than 4 (spills).
 #if defined(__AVX512F__)
 constexpr int kScoreRows = 8;
 #else
