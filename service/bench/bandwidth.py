@@ -25,6 +25,7 @@ from service.worker.quantization.plan import DispatchLinear
 if TYPE_CHECKING:
     from service.worker.model import LlamaModel
 
+
 def read_bandwidth_gb_s(mib: int = 256, repeats: int = 10) -> float:
     """Best-of-`repeats` read bandwidth in GB/s (1e9 bytes/s) of `x.sum()` over `mib` MiB of
     float32, with torch's current thread count. Allocates the buffer for the call only."""

@@ -27,6 +27,7 @@ from service.worker.quantization.plan import DispatchLinear, bucket_index
 if TYPE_CHECKING:
     from service.worker.model import LlamaModel
 
+
 def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     """Move the packed weights of `model`'s C++ linear paths that serve calls of up to
     `max_rows` rows (the memory-bound decode buckets; the LM head included) into one

@@ -89,8 +89,7 @@ def test_decode_buckets_read_their_weights_from_one_huge_page_arena(runners) -> 
     from service.worker.quantization.paths import CppLinear
 
     _, auto = runners
-    lins = [getattr(l, n) for l in auto.model.layers for n in ("qkv", "o", "gate_up", "down")]
-    packed = [fn.packed for lin in lins + [auto.model.lm_head]
+    packed = [fn.packed for lin in auto.model.linears()
               for fn in (lin.fns[:2] if isinstance(lin, DispatchLinear) else [lin])
               if isinstance(fn, CppLinear)]
     assert len(packed) >= 121  # every layer and the LM head run a C++ kernel at one row
