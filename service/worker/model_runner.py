@@ -250,7 +250,8 @@ class ModelRunner:
     @torch.inference_mode()
     def measure_rates(self, prefill_tokens: int = 128) -> tuple[float, float]:
         """(swap bytes/s, prefill tokens/s) measured on this machine (a few hundred ms),
-        then two decode steps to warm the decode path up.
+        then two decode steps to warm the decode path up, then the thread tuner's first
+        probe on prefill steps of `prefill_tokens` (`_first_thread_probe`).
 
         Uses blocks of the empty cache as scratch: call before any request runs.
         """
@@ -280,7 +281,30 @@ class ModelRunner:
                                    SamplingParams(temperature=0.0))
         for _ in range(2):
             self._execute(SchedulerOutput([decode], 1))
+        self._first_thread_probe(SchedulerOutput([seq], tokens))
         return swap_bw, rate
+
+    def _first_thread_probe(self, warmup: SchedulerOutput) -> None:
+        """Run the thread tuner's first probe to its verdict on repeats of the `warmup`
+        step (the tuner starts a probe at the first step it is asked about), so that the
+        first requests run at the count it keeps and do not pay for the probe's steps at
+        one thread fewer: a 512-token step at one thread of two took 1.1 s against 0.55
+        on Zen 4, and the first probe had landed on the first requests' steps. Costs
+        five warm-up steps when the candidate collapses (it aborts at its first step),
+        at most the probe's whole plan otherwise. Nothing to do without a tuner."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            return
+        s = tuner.s
+        for _ in range(2 * s.blocks * s.probe_steps):  # the whole plan at most
+            self.execute(warmup)
+            if not tuner.probing:
+                break
+        if tuner.history:
+            _, before, after, ratio = tuner.history[-1]
+            log.info("threads: the start-up probe %s %d (candidate / current step time: %s)",
+                     "kept" if after == before else "chose", after,
+                     "n/a" if ratio is None else f"{ratio:.2f}")
 
     @torch.inference_mode()
     def calibrate(self) -> list:
