@@ -859,6 +859,119 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// ---- one row of q4_1 x int16 activations with AVX512-VNNI (the AVX-512 build only) -----
+// The same integers and float steps as tile16<kQ41, 1, 4> (so the same bits), with about a
+// third of its vector instructions: at one row that kernel is bound by its instruction rate
+// (unpacking nibbles to int16 for vpmaddwd), not by memory. Each int16 qx is split into a
+// signed high byte and an unsigned low byte, qx = 256 h + l with h = qx >> 8 in [-128, 127]
+// and l = qx & 255, and vpdpbusd (unsigned bytes times signed bytes, four products summed
+// into each int32 lane) takes the nibbles q in [0, 15] as they are, on either side:
+//   sum q h = dpbusd(q as unsigned, h as signed),  sum q l = dpbusd(l as unsigned, q as signed)
+//   isum = 256 sum q h + sum q l = sum q qx, exact (|isum| <= 15 * 32767 * 256 < 2^31).
+// Four lines (k pairs j .. j + 3 of a block's 64 channels) are transposed in registers
+// (unpack bytes, then 16-bit words: within 128-bit lanes) so that each int32 lane holds one
+// channel's bytes of the four lines: low nibbles q(2j), q(2j+2), q(2j+4), q(2j+6), high
+// nibbles the odd k; the activations are laid out to match (even k's bytes, odd k's bytes,
+// per 8 k). The lanes' channel order (0-3 | 16-19 | 32-35 | 48-51 for the first vector) is
+// put back once per group by a 4 x 4 transpose of 128-bit lanes.
+// Measured on Zen 4 (2 threads, weights in cache, against tile16): [3072 x 576] 27.7 ->
+// 17.6 us, [960 x 576] 12.2 -> 8.7 us, [576 x 1536] 17.4 -> 14.5 us.
+
+// VNNI is not part of the build's flags (AVX-512 F/BW/VL/DQ): this kernel is compiled for it
+// alone and run where the CPU has it.
+inline bool cpu_has_avx512_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return has;
+}
+
+// Row 0's qx as the vpdpbusd operands of each 8 k: words[4 t .. 4 t + 3] = the high bytes of
+// k = 8t, 8t+2, 8t+4, 8t+6 | of the odd k | the low bytes of the even k | of the odd k.
+inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
+  for (int64_t t = 0; t < K / 8; ++t) {
+    uint8_t b[4][4];
+    for (int i = 0; i < 8; ++i) {
+      const int16_t v = qx[8 * t + i];
+      b[i & 1][i >> 1] = static_cast<uint8_t>(static_cast<uint16_t>(v) >> 8);  // v >> 8 as a byte
+      b[2 + (i & 1)][i >> 1] = static_cast<uint8_t>(v & 255);
+    }
+    std::memcpy(words + 4 * t, b, sizeof(b));
+  }
+}
+
+// Block b (channels 64 b .. 64 b + 63) of one row: every group's integer sums, the float
+// steps, the bias. Needs K a multiple of 8 and the group a multiple of 8.
+__attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb, const Act16& a,
+                                                                const int32_t* words, int64_t b) {
+  const int64_t pairs = pb.K / 2;
+  const uint8_t* wb = static_cast<const uint8_t*>(pb.w) + b * pairs * 64;
+  const __m512i mask = _mm512_set1_epi8(15);
+  __m512 tot[4];
+  for (int c = 0; c < 4; ++c) tot[c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    __m512i sh[4], sl[4];  // sum q h, sum q l in the transposed channel order
+    for (int i = 0; i < 4; ++i) sh[i] = sl[i] = _mm512_setzero_si512();
+    const int64_t t1 = (g + 1) * pb.group / 8;
+    for (int64_t t = g * pb.group / 8; t < t1; ++t) {
+      const uint8_t* p = wb + t * 256;  // lines 4t .. 4t + 3
+      for (int i = 0; i < 4; ++i) __builtin_prefetch(p + kGemvPrefetchBytes + 64 * i);
+      const __m512i l0 = _mm512_loadu_si512(p), l1 = _mm512_loadu_si512(p + 64);
+      const __m512i l2 = _mm512_loadu_si512(p + 128), l3 = _mm512_loadu_si512(p + 192);
+      const __m512i t01 = _mm512_unpacklo_epi8(l0, l1), t01h = _mm512_unpackhi_epi8(l0, l1);
+      const __m512i t23 = _mm512_unpacklo_epi8(l2, l3), t23h = _mm512_unpackhi_epi8(l2, l3);
+      const __m512i u[4] = {_mm512_unpacklo_epi16(t01, t23), _mm512_unpackhi_epi16(t01, t23),
+                            _mm512_unpacklo_epi16(t01h, t23h), _mm512_unpackhi_epi16(t01h, t23h)};
+      const __m512i he = _mm512_set1_epi32(words[4 * t]), ho = _mm512_set1_epi32(words[4 * t + 1]);
+      const __m512i le = _mm512_set1_epi32(words[4 * t + 2]), lo = _mm512_set1_epi32(words[4 * t + 3]);
+      for (int i = 0; i < 4; ++i) {
+        const __m512i qe = _mm512_and_si512(u[i], mask);
+        const __m512i qo = _mm512_and_si512(_mm512_srli_epi16(u[i], 4), mask);
+        sh[i] = _mm512_dpbusd_epi32(sh[i], qe, he);
+        sh[i] = _mm512_dpbusd_epi32(sh[i], qo, ho);
+        sl[i] = _mm512_dpbusd_epi32(sl[i], le, qe);
+        sl[i] = _mm512_dpbusd_epi32(sl[i], lo, qo);
+      }
+    }
+    __m512i s[4];
+    for (int i = 0; i < 4; ++i) s[i] = _mm512_add_epi32(_mm512_slli_epi32(sh[i], 8), sl[i]);
+    // s[i] lane L holds channels 16 L + 4 i .. 16 L + 4 i + 3: transpose the 4 x 4 lanes
+    const __m512i a01 = _mm512_shuffle_i32x4(s[0], s[1], 0x44), b01 = _mm512_shuffle_i32x4(s[2], s[3], 0x44);
+    const __m512i a23 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE), b23 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
+    const __m512i isum[4] = {_mm512_shuffle_i32x4(a01, b01, 0x88), _mm512_shuffle_i32x4(a01, b01, 0xDD),
+                             _mm512_shuffle_i32x4(a23, b23, 0x88), _mm512_shuffle_i32x4(a23, b23, 0xDD)};
+    const int64_t off = (b * pb.groups + g) * 64;
+    const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+    const __m512 vdx = _mm512_set1_ps(a.d[g]), vxs = _mm512_set1_ps(pb.xsum[g]);
+    for (int c = 0; c < 4; ++c) {  // tile16's float steps, lane for lane
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + 16 * c)));
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
+      tot[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(d, vdx), tot[c]);
+      tot[c] = _mm512_fmadd_ps(vxs, m, tot[c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    const int64_t c0 = b * 64 + 16 * c;
+    const int64_t valid = std::min<int64_t>(16, pb.N - c0);
+    if (valid <= 0) continue;
+    __m512 v = tot[c];
+    if (pb.bias != nullptr) {
+      const __mmask16 k = static_cast<__mmask16>((1u << valid) - 1u);
+      v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, pb.bias + c0));
+    }
+    _mm512_mask_storeu_ps(pb.y + c0, static_cast<__mmask16>((1u << valid) - 1u), v);
+  }
+}
+
+// Whether a call takes gemv_q41_vnni_block: one q4_1 row, groups of a multiple of 8, VNNI.
+inline bool use_gemv_q41_vnni(const Problem& pb) {
+  return pb.M == 1 && pb.group % 8 == 0 && cpu_has_avx512_vnni();
+}
+#endif
+
 // From this many rows in a work item on, its panel's weight pairs are unpacked once into a
 // strip that every tile reads (fewer than that: each tile unpacks them from the packed bytes).
 constexpr int64_t kAct16StripRows = 12;
@@ -913,6 +1026,16 @@ template <int Fmt>
 void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
   quantize_rows16(pb, a, num_threads);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (Fmt == kQ41 && use_gemv_q41_vnni(pb)) {
+    std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
+    vnni_words(a.q.data(), pb.K, words.data());
+    const int64_t blocks = pb.Np / 64;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) gemv_q41_vnni_block(pb, a, words.data(), b);
+    return;
+  }
+#endif
   if (pb.M < kAct16GemvRows) {
     const int64_t blocks = pb.Np / 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -332,3 +332,34 @@ def test_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, fm
     assert bool(y[2].isnan().all()) and not bool(y[5].isfinite().any())
     keep = [0, 1, 3, 4, 6, 7]
     assert torch.equal(y[keep], clean[keep])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [8, 32, 64, 256, 6])
+@pytest.mark.parametrize("n", [1, 15, 64, 130, 960])
+def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) -> None:
+    """A one-row q4_1x16 call (on an AVX-512 CPU with VNNI: gemv_q41_vnni_block, nibbles and
+    int16 activations split into bytes for vpdpbusd; a group that is not a multiple of 8, or
+    another CPU: tile16) gives each row the bits it gets in a call of 5 or 48 rows (other
+    kernels: half blocks, panels) and in the other build; a non-finite row stays NaN."""
+    k = 3 * group if group > 6 else 96
+    g = torch.Generator().manual_seed(n + group)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
+    m = (-torch.rand(n, k // group, generator=g) * 0.2).half()
+    x = torch.randn(48, k, generator=g)
+    x[1, 2] = 40.0  # an outlier in one group
+    for bias in (torch.randn(n, generator=g), None):
+        packed = with_int16_activations(pack_q4_1_blocks(q, d, m, bias, group=group))
+        many = qlc.quant_linear(x, packed, isa)
+        torch.testing.assert_close(many, quant_linear_ref(x, packed), rtol=1e-5,
+                                   atol=1e-5 * float(many.abs().max()))
+        for r in (0, 1, 47):
+            one = qlc.quant_linear(x[r:r + 1], packed, isa)
+            assert torch.equal(one, many[r:r + 1])
+            assert torch.equal(one, qlc.quant_linear(x[r:r + 5], packed, isa)[:1])
+            for other in qlc.available_isas():
+                assert torch.equal(qlc.quant_linear(x[r:r + 1], packed, other), one)
+    bad = x[:1].clone()
+    bad[0, k - 1] = float("nan")
+    assert bool(qlc.quant_linear(bad, packed, isa).isnan().all())
