@@ -53,6 +53,11 @@ def test_small_run_reports_every_variant_scenario_and_section(loaded_model) -> N
         assert b["read_gb_s"] == max(bw["before_gb_s"], bw["after_gb_s"])
         assert b["bound_ms"] == pytest.approx(b["weight_bytes_per_step"] / (b["read_gb_s"] * 1e6))
         assert b["fraction_of_bound"] == pytest.approx(b["bound_ms"] / b["ms_per_step"])
+        assert b["median_read_gb_s"] == max(bw["before_median_gb_s"], bw["after_median_gb_s"])
+        assert b["median_read_gb_s"] <= b["read_gb_s"]
+        assert b["fraction_of_bound_at_median"] == pytest.approx(
+            b["bound_ms_at_median"] / b["ms_per_step"])
+        assert b["bound_ms_at_median"] >= b["bound_ms"]
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
 
 
