@@ -9,10 +9,11 @@ fraction of that bound a step reaches (issue 22 asks for 60% on the machine meas
 The bandwidth is torch's `x.sum()` over 256 MiB of float32 with the threads the engine
 uses, 10 times: a plain streaming read, the same kind of traffic as a GEMV over packed
 weights. The best of the 10 gives the bound (the strict one); the median is stated beside
-it, because on a shared host the two differ by up to 2x: on the Zen 4 of sessions 20-21 the
-best read 48-61 GB/s in some minutes while a plain cold read of a step's weights in its own
-121 calls ran at 21-30 GB/s then. It moves with the machine's load (a shared host's
-neighbours), so the benchmark measures it before and after its runs and states both.
+it, as single reads vary on a shared host. Neither is what a step's own pattern of reads
+gets: on the Zen 4 of sessions 20-21, in minutes when this read 48-61 GB/s, a plain cold
+read of a step's weights in the step's 121 calls ran at 21-33 GB/s. It moves with the
+machine's load (a shared host's neighbours), so the benchmark measures it before and after
+its runs and states both.
 """
 
 from __future__ import annotations
