@@ -10,10 +10,10 @@ The bandwidth is torch's `x.sum()` over 256 MiB of float32 with the threads the 
 uses, 10 times: a plain streaming read, the same kind of traffic as a GEMV over packed
 weights. The best of the 10 gives the bound (the strict one); the median is stated beside
 it, as single reads vary on a shared host. Neither is what a step's own pattern of reads
-gets: on the Zen 4 of sessions 20-21, in minutes when this read 48-61 GB/s, a plain cold
-read of a step's weights in the step's 121 calls ran at 21-33 GB/s. It moves with the
-machine's load (a shared host's neighbours), so the benchmark measures it before and after
-its runs and states both.
+gets: on the Zen 4 of session 21, in minutes when this read 48-51 GB/s, a plain cold read
+of a step's packed weights split as its 121 calls split them ran at 23-33 GB/s. It moves
+with the machine's load (a shared host's neighbours), so the benchmark measures it before
+and after its runs and states both.
 """
 
 from __future__ import annotations
@@ -56,11 +56,6 @@ def read_bandwidth(mib: int = 256, repeats: int = 10) -> ReadBandwidth:
         times.append(time.perf_counter() - t0)
     nbytes = x.numel() * 4
     return ReadBandwidth(nbytes / min(times) / 1e9, nbytes / statistics.median(times) / 1e9)
-
-
-def read_bandwidth_gb_s(mib: int = 256, repeats: int = 10) -> float:
-    """Best-of-`repeats` read bandwidth in GB/s (``read_bandwidth(...).best_gb_s``)."""
-    return read_bandwidth(mib, repeats).best_gb_s
 
 
 def decode_weight_bytes(model: LlamaModel) -> int:
