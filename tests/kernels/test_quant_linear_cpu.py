@@ -101,12 +101,12 @@ def test_group_sizes_and_partial_last_group(isa, fmt, group) -> None:
                            qlc.quant_linear(x, packed, isa)[:rows])
 
 
-def _q4_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random GGUF-like Q4_1 blocks: q [N, K] in [0, 15], fp16 d > 0 and m [N, K / 32]."""
+def _q4_blocks(n: int, k: int, seed: int = 0, group: int = 32) -> tuple[torch.Tensor, ...]:
+    """Random GGUF-like Q4_1 blocks: q [N, K] in [0, 15], fp16 d > 0 and m [N, K / group]."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
-    m = (-torch.rand(n, k // 32, generator=g) * 0.2).half()
+    d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
+    m = (-torch.rand(n, k // group, generator=g) * 0.2).half()
     return q, d, m
 
 
@@ -343,10 +343,8 @@ def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) ->
     another CPU: tile16) gives each row the bits it gets in a call of 5 or 48 rows (other
     kernels: half blocks, panels) and in the other build; a non-finite row stays NaN."""
     k = 3 * group if group > 6 else 96
-    g = torch.Generator().manual_seed(n + group)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    d = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
-    m = (-torch.rand(n, k // group, generator=g) * 0.2).half()
+    q, d, m = _q4_blocks(n, k, seed=n + group, group=group)
+    g = torch.Generator().manual_seed(n + group + 1)
     x = torch.randn(48, k, generator=g)
     x[1, 2] = 40.0  # an outlier in one group
     for bias in (torch.randn(n, generator=g), None):
