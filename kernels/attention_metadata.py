@@ -13,12 +13,13 @@ class AttentionLayout:
     """The attention shape of a model and how its steps are planned (fixed at start-up).
 
     num_heads, num_kv_heads, head_dim: Hq, Hkv, D (Hq a multiple of Hkv).
-    dtype: of activations and of the KV cache.
+    dtype: of the activations (and of the KV cache unless kv_dtype says otherwise).
     block_size: tokens per KV cache block.
     decode_kernel: the torch backend's decode attention, "cpp" (our C++ kernel,
         ``kernels.decode_attention_cpu``) or "sdpa"; "none" on Triton.
     all_rows: batch invariance: prefill rows too through the C++ kernel, each over its
         own causal prefix (torch backend, decode_kernel "cpp").
+    kv_dtype: of the KV cache (``--kv-cache-dtype``); None: dtype.
     """
 
     num_heads: int
@@ -28,11 +29,17 @@ class AttentionLayout:
     block_size: int = 16
     decode_kernel: str = "sdpa"
     all_rows: bool = False
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: kv_dtype, or dtype when that is None."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of one token's K plus V in one layer: 2 Hkv D itemsize."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one token's K plus V in one layer: 2 Hkv D itemsize (the cache's)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Every C++ kernel of ours (``kernels/csrc/*.cpp``) goes through here. A build is
 compiled with the system C++ compiler (``$CXX``, default ``g++``; a wrapper or
 arguments such as ``ccache g++`` are fine) into ``$CONVEYOR_CACHE_DIR/kernels``
 (default ``$XDG_CACHE_HOME/conveyor/kernels``, i.e. ``~/.cache/conveyor/kernels``)
-under a name hashed from the source, the flags, the compiler's version and the
-CPU's flags, and loaded with ctypes (no torch headers: a build takes seconds).
+under a name hashed from the source and the headers it includes with quotes, the flags,
+the compiler's version and the CPU's flags, and loaded with ctypes (no torch headers: a
+build takes seconds).
 Libraries link ``-fopenmp``: the ``libgomp.so.1`` torch has already loaded has the
 same soname, so torch and the kernels share one OpenMP thread pool.
 
@@ -19,6 +20,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -76,6 +78,24 @@ class CppKernel:
         return self.requires <= cpu_flags()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: Path) -> bytes:
+    """The source's bytes followed by those of the headers it includes with quotes
+    (``#include "half.h"``, found beside it; one level): what a build's cache key hashes,
+    so that editing a shared header rebuilds every kernel that includes it.
+
+    Raises:
+        OSError: the source or a quoted header cannot be read.
+    """
+    text = source.read_bytes()
+    parts = [text]
+    for name in _LOCAL_INCLUDE.findall(text):
+        parts.append((source.parent / name.decode()).read_bytes())
+    return b"\0".join(parts)
+
+
 def build(kernel: CppKernel, cxx: str) -> Path:
     """Compile `kernel` unless a build for this source, flags, compiler and CPU is cached.
 
@@ -94,7 +114,7 @@ def build(kernel: CppKernel, cxx: str) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cxx} --version failed: {e}") from e
     try:
-        source = kernel.source.read_bytes()
+        source = source_bytes(kernel.source)
     except OSError as e:
         raise KernelBuildError(f"cannot read {kernel.source}: {e}") from e
     flags = " ".join(kernel.cxx_flags) + " | " + " ".join(LINK_FLAGS)

@@ -30,16 +30,23 @@ to the compile step only (see ``kernels.cpu_build.CppKernel``)."""
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GQA_GROUP = 64
 
-__all__ = ["KernelBuildError", "LIBRARY", "build_problem", "decode_attention_cpu",
-           "kernel_available", "kernel_error", "load_kernel", "supports"]
+__all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "decode_attention_cpu",
+           "entry_point", "kernel_available", "kernel_error", "load_kernel", "supports"]
+
+
+KV_DTYPES = (torch.float32, torch.float16)
+"""Cache dtypes the kernel reads (fp16 widened to fp32 as it is loaded; q and out stay fp32)."""
+_ENTRY = {torch.float32: "conveyor_decode_attention_f32",
+          torch.float16: "conveyor_decode_attention_f16kv"}
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    fn = lib.conveyor_decode_attention_f32
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
-                   ctypes.c_float, i32]
-    fn.restype = i32
+    for name in _ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
+                       ctypes.c_float, i32]
+        fn.restype = i32
 
 
 LIBRARY = KernelLibrary(CppKernel("decode_attention_cpu", SOURCE, CXX_FLAGS), _setup)
@@ -66,10 +73,26 @@ def build_problem() -> str | None:
     return LIBRARY.problem()
 
 
-def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel handles this model: fp32, head dim in HEAD_DIMS, G = Hq / Hkv <= 64."""
-    return (dtype == torch.float32 and head_dim in HEAD_DIMS and num_kv_heads > 0
-            and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GQA_GROUP)
+def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel handles this model: fp32 activations, a cache in KV_DTYPES
+    (kv_dtype; None: the activations' dtype), head dim in HEAD_DIMS, G = Hq / Hkv <= 64."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    return (dtype == torch.float32 and kv_dtype in KV_DTYPES and head_dim in HEAD_DIMS
+            and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= MAX_GQA_GROUP)
+
+
+def entry_point(kv_dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """The kernel's C function for caches of kv_dtype (one of KV_DTYPES; all share one
+    signature), from the loaded library.
+
+    Raises:
+        ValueError: a dtype outside KV_DTYPES. KernelBuildError: the library does not build.
+    """
+    if kv_dtype not in _ENTRY:
+        raise ValueError(f"no decode attention kernel for a {kv_dtype} cache; have {KV_DTYPES}")
+    return getattr(load_kernel(), _ENTRY[kv_dtype])
 
 
 def decode_attention_cpu(
@@ -91,7 +114,8 @@ def decode_attention_cpu(
     Args:
         q: [T, Hq, D] float32 on the CPU; D and Hq * D contiguous per row (a row view
             of a fused projection is fine).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or float16 (KV_DTYPES),
+            one dtype, contiguous.
         block_tables: [n, max_blocks] int64, unit stride in the last dim; row i holds
             at least ceil(seq_lens[i] / block_size) valid block ids.
         seq_lens: [n] int64 contiguous, each >= 1 (context including this token).
@@ -116,13 +140,18 @@ def decode_attention_cpu(
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     _, block_size, num_kv_heads, cache_d = k_cache.shape
     n = rows.shape[0]
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("q", q), ("out", out)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu":
+            raise ValueError(f"{name} must be one of {KV_DTYPES} on the CPU (both caches "
+                             f"alike), got {t.dtype} on {t.device}")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("rows", rows)):
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise ValueError(f"{name} must be int64 on the CPU, got {t.dtype} on {t.device}")
-    if cache_d != head_dim or not supports(q.dtype, num_q_heads, num_kv_heads, head_dim):
+    if cache_d != head_dim or not supports(q.dtype, num_q_heads, num_kv_heads, head_dim,
+                                                 k_cache.dtype):
         raise ValueError(f"q {tuple(q.shape)} with caches {tuple(k_cache.shape)}: need the same D "
                          f"in {HEAD_DIMS} and Hq a multiple of Hkv with Hq / Hkv <= {MAX_GQA_GROUP}")
     if q.stride(2) != 1 or q.stride(1) != head_dim:
@@ -139,7 +168,7 @@ def decode_attention_cpu(
                          "decodes ([n, max_blocks] with unit stride, [n], [n] contiguous)")
     if n == 0:
         return
-    fn = load_kernel().conveyor_decode_attention_f32
+    fn = entry_point(k_cache.dtype)
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
             seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), out.shape[0],

@@ -63,7 +63,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("vocab", _i64), ("max_position", _i64), ("num_blocks", _i64),
-                ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("layers", _p),
+                ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("kv_half", _i64),
+                ("layers", _p),
                 ("embed", _p), ("norm", _p), ("cos", _p), ("sin", _p), ("lm_head", _Linear),
                 ("attention", _p)]
 
@@ -137,11 +138,14 @@ class FusedForward:
         layers: the decoder layers, in order.
         lm_head: (packed weight, isa) of the LM head.
         embed: [V, H] float32 embedding; norm: [H] final RMSNorm weight.
+        Each layer's kv: [2, num_blocks, block_size, Hkv, D], float32 or float16 (the
+            model's KV cache; all layers one dtype), contiguous.
         cos, sin: [max_position, D/2] float32 rotary tables (rotate-half convention).
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
         scale: softmax scale. intermediate: I, half of gate_up's outputs.
 
-    Every tensor is kept referenced here; all must be contiguous float32 on the CPU.
+    Every tensor is kept referenced here; all must be contiguous float32 on the CPU but
+    the caches.
 
     Raises:
         ValueError: a shape, dtype or layout that does not fit the above.
@@ -154,16 +158,21 @@ class FusedForward:
                  eps: float, scale: float) -> None:
         vocab, hidden = embed.shape
         kv = layers[0].kv
-        tensors = [embed, norm, cos, sin] + [t for L in layers for t in (L.ln1, L.ln2, L.kv)]
+        tensors = [embed, norm, cos, sin] + [t for L in layers for t in (L.ln1, L.ln2)]
+        caches = [L.kv for L in layers]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                for t in tensors):
             raise ValueError("the fused forward needs contiguous float32 CPU tensors")
+        if any(t.dtype != kv.dtype or t.device.type != "cpu" or not t.is_contiguous()
+               for t in caches) or kv.dtype not in dac.KV_DTYPES:
+            raise ValueError(f"the fused forward needs contiguous CPU KV caches of one dtype in "
+                             f"{dac.KV_DTYPES}, layer 0's is {kv.dtype}")
         if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[3:]) != (num_kv_heads, head_dim):
             raise ValueError(f"KV cache {tuple(kv.shape)} is not [2, blocks, block_size, "
                              f"{num_kv_heads}, {head_dim}]")
         if cos.shape != sin.shape or cos.shape[1] * 2 != head_dim:
             raise ValueError(f"rotary tables {tuple(cos.shape)} do not fit head_dim {head_dim}")
-        if not dac.supports(torch.float32, num_heads, num_kv_heads, head_dim):
+        if not dac.supports(torch.float32, num_heads, num_kv_heads, head_dim, kv.dtype):
             raise ValueError(f"the decode attention kernel does not cover {num_heads}/"
                              f"{num_kv_heads} heads of {head_dim}")
         qkv_out = (num_heads + 2 * num_kv_heads) * head_dim
@@ -183,14 +192,15 @@ class FusedForward:
                              f"does not fit [{vocab}, {hidden}]")
         self._lib = LIBRARY.load()
         dac.load_kernel()
-        self._keep = (layers, lm_head, tensors)
+        self._keep = (layers, lm_head, tensors, caches)
         self._layers = (_Layer * len(layers))(*[
             _Layer(_linear(*L.qkv), _linear(*L.o), _linear(*L.gate_up), _linear(*L.down),
                    L.ln1.data_ptr(), L.ln2.data_ptr(), L.kv.data_ptr()) for L in layers])
-        attention = ctypes.cast(dac.load_kernel().conveyor_decode_attention_f32, _p).value
+        attention = ctypes.cast(dac.entry_point(kv.dtype), _p).value
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim,
                              intermediate, vocab, cos.shape[0], kv.shape[1], kv.shape[2],
-                             eps, scale, ctypes.addressof(self._layers), embed.data_ptr(),
+                             eps, scale, int(kv.dtype == torch.float16),
+                             ctypes.addressof(self._layers), embed.data_ptr(),
                              norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), _linear(*lm_head),
                              attention)
         self.vocab_size = vocab

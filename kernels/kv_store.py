@@ -46,9 +46,10 @@ def _check_store_args(
         )
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be int64 (or int32), got {slot_mapping.dtype}")
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+    if v.dtype != k.dtype or v_cache.dtype != k_cache.dtype or not k_cache.dtype.is_floating_point:
         raise ValueError(
-            f"cache dtypes {k_cache.dtype}/{v_cache.dtype} differ from k/v dtypes {k.dtype}/{v.dtype}"
+            f"k/v dtypes {k.dtype}/{v.dtype} and cache dtypes {k_cache.dtype}/{v_cache.dtype} "
+            "must match in pairs (floating point caches)"
         )
     for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != k.device:
@@ -66,8 +67,9 @@ def store_kv_ref(
 
     Args:
         k, v: [T, Hkv, D].
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, same
-            dtype as k/v; written in place.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, one floating
+            dtype (k/v's, or another: a 16-bit cache under fp32 activations, each value
+            rounded to nearest even); written in place.
         slot_mapping: [T] int64, block_id * block_size + offset, or -1 to skip.
 
     Raises:
@@ -78,8 +80,8 @@ def store_kv_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep]
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
 
 
 def _store_kv_kernel(
@@ -108,8 +110,9 @@ def _store_kv_kernel(
         dst = slot * num_kv_heads * HEAD_DIM + heads[:, None] * HEAD_DIM + dims[None, :]
         k = tl.load(k_ptr + tok * k_tok_stride + heads[:, None] * k_head_stride + dims[None, :], mask=mask)
         v = tl.load(v_ptr + tok * v_tok_stride + heads[:, None] * v_head_stride + dims[None, :], mask=mask)
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+        # to the cache's dtype (a 16-bit cache under fp32 activations: round to nearest)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(

@@ -117,7 +117,7 @@ def _paged_attention_kernel(
         if IEEE:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))  # a cache dtype other than q's: as q's
         s = s * scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (keys[None, :] <= query_pos[:, None]) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -129,7 +129,7 @@ def _paged_attention_kernel(
         if IEEE:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

@@ -266,8 +266,9 @@ def cpu_paged_attention(
     Args:
         q: [T, Hq, D]; unit stride in D and Hq * D contiguous per row (a view of
             a fused projection is fine).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, q's dtype;
-            this step's K/V already stored. Padding slots inside a gathered block
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, one dtype: q's,
+            or a 16-bit one read as q's dtype (``--kv-cache-dtype``); this step's K/V
+            already stored. Padding slots inside a gathered block
             are masked, so they must be finite (a zero-initialised cache is).
         plan: from ``plan_cpu_attention`` for this step.
         scale: softmax scale, usually D ** -0.5.
@@ -309,7 +310,7 @@ def cpu_paged_attention(
         out[g.rows] = _decode_group(q[g.rows], k_rows, v_rows, g, block_size, num_kv_heads,
                                     group, scale)
     use_kernel = plan.prefill_kernel and prefill_supports(q.dtype, num_q_heads, num_kv_heads,
-                                                          head_dim, block_size)
+                                                          head_dim, block_size, k_cache.dtype)
     for p in plan.prefills:
         if use_kernel:
             prefill_attention_cpu(q[p.rows], k_cache, v_cache, p.blocks, p.ctx_len, out[p.rows],
@@ -317,6 +318,7 @@ def cpu_paged_attention(
             continue
         k = k_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]
         v = v_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a 16-bit cache under fp32 activations
         o = F.scaled_dot_product_attention(
             q[p.rows].transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
             k.transpose(0, 1).unsqueeze(0),          # [1, Hkv, L, D]
@@ -334,8 +336,10 @@ def _decode_group(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, g
     n, _, head_dim = q.shape
     length = g.num_blocks * block_size
     # [n * nblk, bs * Hkv * D] -> [n, L, Hkv, D] -> [n, Hkv, L, D] (a view)
-    k = k_rows.index_select(0, g.blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_rows.index_select(0, g.blocks).view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+    k = k_rows.index_select(0, g.blocks).to(q.dtype).view(
+        n, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_rows.index_select(0, g.blocks).to(q.dtype).view(
+        n, length, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(
         q.reshape(n, num_kv_heads, group, head_dim), k, v, attn_mask=g.mask, scale=scale,
     )  # [n, Hkv, G, D]

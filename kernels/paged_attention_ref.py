@@ -43,9 +43,10 @@ def _check_attention_args(
             f"q heads ({num_q_heads}, q shape {tuple(q.shape)}) must be a multiple of "
             f"kv heads ({num_kv_heads}, k_cache shape {tuple(k_cache.shape)})"
         )
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if v_cache.dtype != k_cache.dtype or not k_cache.dtype.is_floating_point:
         raise ValueError(
-            f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"k_cache, v_cache dtypes differ or are not floating point: {k_cache.dtype}, "
+            f"{v_cache.dtype} (q {q.dtype})"
         )
     if block_tables.dim() != 2:
         raise ValueError(
@@ -84,7 +85,8 @@ def paged_attention_ref(
 
     Args:
         q: [T, Hq, D] queries of every sequence, flattened.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D], same dtype as q;
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], one floating dtype: q's, or
+            another (a 16-bit cache: read as q's dtype);
             this step's K/V must already be stored (see ``store_kv``). Slots
             past a sequence's context are gathered then masked, so they must
             be finite (allocate the cache with zeros, not empty: a NaN there
@@ -135,8 +137,8 @@ def paged_attention_ref(
         # Prefill chunk: keys 0..ctx_len-1, query j at position ctx_len - n + j.
         num_seq_blocks = -(-ctx_len // block_size)
         blocks = tables[b, :num_seq_blocks]
-        k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, Hkv, D]
-        v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len]
+        k = k_cache.index_select(0, blocks).to(q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]  # [L, Hkv, D]
+        v = v_cache.index_select(0, blocks).to(q.dtype).view(-1, num_kv_heads, head_dim)[:ctx_len]
         qc = q[cu[b] : cu[b + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         start = ctx_len - n
         if start == 0:
@@ -176,8 +178,8 @@ def paged_attention_ref(
         # index_select on the flat block list is ~4x faster on CPU than k_cache[rows].
         # [B_dec * nblk, bs, Hkv, D] -> [B_dec, L, Hkv, D] -> [B_dec, Hkv, L, D]
         flat = rows.reshape(-1)
-        k = k_cache.index_select(0, flat).view(n_dec, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat).view(n_dec, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = k_cache.index_select(0, flat).to(q.dtype).view(n_dec, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat).to(q.dtype).view(n_dec, -1, num_kv_heads, head_dim).transpose(1, 2)
         key_pos = torch.arange(k.shape[2], device=device)
         mask = (key_pos[None, :] < dec_lens[:, None])[:, None, None, :]  # [B_dec, 1, 1, L]
         o = F.scaled_dot_product_attention(

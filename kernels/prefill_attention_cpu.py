@@ -29,15 +29,22 @@ first running max use a large finite negative instead of -inf."""
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_BLOCK_SIZE = 64
 
-__all__ = ["KernelBuildError", "LIBRARY", "build_problem", "prefill_attention_cpu", "supports"]
+__all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "prefill_attention_cpu", "supports"]
+
+
+KV_DTYPES = (torch.float32, torch.float16)
+"""Cache dtypes the kernel reads (fp16 widened to fp32 as it is read; q and out stay fp32)."""
+_ENTRY = {torch.float32: "conveyor_prefill_attention_f32",
+          torch.float16: "conveyor_prefill_attention_f16kv"}
 
 
 def _setup(lib: ctypes.CDLL) -> None:
-    fn = lib.conveyor_prefill_attention_f32
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32,
-                   ctypes.c_float, i32]
-    fn.restype = i32
+    for name in _ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32,
+                       ctypes.c_float, i32]
+        fn.restype = i32
 
 
 LIBRARY = KernelLibrary(CppKernel("prefill_attention_cpu", SOURCE, CXX_FLAGS), _setup)
@@ -50,11 +57,14 @@ def build_problem() -> str | None:
 
 
 def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             block_size: int) -> bool:
-    """Whether the kernel handles this model and cache: fp32, head dim in HEAD_DIMS, Hq a
+             block_size: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel handles this model and cache: fp32 activations, a cache in
+    KV_DTYPES (kv_dtype; None: the activations' dtype), head dim in HEAD_DIMS, Hq a
     multiple of Hkv, block_size <= MAX_BLOCK_SIZE."""
-    return (dtype == torch.float32 and head_dim in HEAD_DIMS and num_kv_heads > 0
-            and num_q_heads % num_kv_heads == 0 and 1 <= block_size <= MAX_BLOCK_SIZE)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    return (dtype == torch.float32 and kv_dtype in KV_DTYPES and head_dim in HEAD_DIMS
+            and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+            and 1 <= block_size <= MAX_BLOCK_SIZE)
 
 
 def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,7 +79,8 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Args:
         q: [n, Hq, D] float32 on the CPU, D and Hq * D contiguous per row (a row view of a
             fused projection is fine), n >= 1.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or float16 (KV_DTYPES),
+            one dtype, contiguous.
         blocks: [>= ceil(ctx_len / block_size)] int64, unit stride: the sequence's block ids.
         ctx_len: context length including the chunk (>= n).
         out: [n, Hq, D] float32, D and Hq * D contiguous per row.
@@ -87,15 +98,19 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"{tuple(v_cache.shape)}")
     n, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_d = k_cache.shape
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+    for name, t in (("q", q), ("out", out)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu":
+            raise ValueError(f"{name} must be one of {KV_DTYPES} on the CPU (both caches "
+                             f"alike), got {t.dtype} on {t.device}")
     if blocks.dtype != torch.int64 or blocks.device.type != "cpu" or blocks.dim() != 1 or (
             blocks.shape[0] > 1 and blocks.stride(0) != 1):
         raise ValueError(f"blocks must be a 1-D int64 CPU tensor with unit stride, got "
                          f"{blocks.dtype} {tuple(blocks.shape)} on {blocks.device}")
     if cache_d != head_dim or not supports(q.dtype, num_q_heads, num_kv_heads, head_dim,
-                                           block_size):
+                                           block_size, k_cache.dtype):
         raise ValueError(f"q {tuple(q.shape)} with caches {tuple(k_cache.shape)}: need the same D "
                          f"in {HEAD_DIMS}, Hq a multiple of Hkv and block_size <= "
                          f"{MAX_BLOCK_SIZE}")
@@ -108,7 +123,7 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if n == 0:
         return
-    fn = LIBRARY.load().conveyor_prefill_attention_f32
+    fn = getattr(LIBRARY.load(), _ENTRY[k_cache.dtype])
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
             blocks.shape[0], n, int(ctx_len), out.data_ptr(), out.stride(0), num_blocks,
             num_q_heads, num_kv_heads, head_dim, block_size, float(scale),

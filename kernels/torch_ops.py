@@ -101,11 +101,11 @@ def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.T
     """Store this step's K/V at meta.slot_mapping, then attend following meta.plan.
 
     q [T, Hq, D], k and v [T, Hkv, D], kv [2, num_blocks, block_size, Hkv, D] (any dtype,
-    q's). Returns [T, Hq, D]."""
+    q's, or a 16-bit one under fp32 q: K/V rounded to it as stored). Returns [T, Hq, D]."""
     T = k.shape[0]
     width = kv.shape[-2] * kv.shape[-1]
-    kv.view(2, -1, width)[0].index_copy_(0, meta.slot_mapping, k.reshape(T, width))
-    kv.view(2, -1, width)[1].index_copy_(0, meta.slot_mapping, v.reshape(T, width))
+    kv.view(2, -1, width)[0].index_copy_(0, meta.slot_mapping, k.reshape(T, width).to(kv.dtype))
+    kv.view(2, -1, width)[1].index_copy_(0, meta.slot_mapping, v.reshape(T, width).to(kv.dtype))
     return cpu_paged_attention(q, kv[0], kv[1], meta.plan, scale)
 
 

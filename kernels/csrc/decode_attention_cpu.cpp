@@ -1,4 +1,6 @@
-// Paged decode attention on the CPU, fp32: one query token per sequence.
+// Paged decode attention on the CPU, fp32 queries and output: one query token per sequence.
+// The cache holds fp32 or fp16 (--kv-cache-dtype float16: half the bytes a step reads),
+// widened to fp32 as it is loaded; every sum is fp32 either way.
 //
 // Reads each sequence's K/V straight from the paged cache through its block
 // table (no gathered copy). A sequence's context is split into chunks of whole
@@ -31,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
+
 namespace {
 
 constexpr int kMaxHeads = 64;  // query heads per KV head (GQA group): the checks' limit
@@ -45,11 +49,14 @@ inline v8 load8(const float* p) {
   return v;
 }
 
+using conveyor::Half;  // an fp16 K/V element (half.h)
+using conveyor::load8;
+
 inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 // q . k over D floats: D / 8 products in one vector accumulator, then its lanes.
-template <int D>
-inline float dot(const float* q, const float* k) {
+template <int D, class KV>
+inline float dot(const float* q, const KV* k) {
   v8 a = load8(q) * load8(k);
 #pragma GCC unroll 32
   for (int c = 1; c < D / 8; ++c) a += load8(q + 8 * c) * load8(k + 8 * c);
@@ -89,14 +96,14 @@ inline int64_t num_chunks(int64_t ctx, int block_size) {
 // 13.5-14.9 (1.12-1.25x); before that, prefetching rows at all (against the next block's first
 // line only) had given 1.39-1.69 -> 0.98-1.08 ms and 19.7 -> 15.1 ms. One whole block
 // prefetched at a chunk's start, or a second block ahead, gained nothing.
-template <class F>
-inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, int64_t b1,
+template <class KV, class F>
+inline void for_each_row(const KV* cache, const int64_t* table, int64_t b0, int64_t b1,
                          int64_t t1, int block_size, int64_t token_stride, F&& f,
-                         const float* also = nullptr) {
+                         const KV* also = nullptr) {
   const int64_t block_floats = block_size * token_stride;
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(KV));
   for (int64_t b = b0; b < b1; ++b) {
-    const float* rows = cache + table[b] * block_floats;
+    const KV* rows = cache + table[b] * block_floats;
     const char* next = b + 1 < b1 ? reinterpret_cast<const char*>(cache + table[b + 1] * block_floats)
                                   : nullptr;
     const char* other = also != nullptr ? reinterpret_cast<const char*>(also + table[b] * block_floats)
@@ -121,15 +128,15 @@ inline void for_each_row(const float* cache, const int64_t* table, int64_t b0, i
 //   pass 1: token by token, s[hq][t] = scale * q_hq . k_t for three heads at a time (three
 //           independent chains)
 //   pass 2: token by token, acc_hq += p_hq,t v_t (acc in L1)
-template <int D>
-void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
+template <int D, class KV>
+void attend_chunk(const float* q, const KV* k_cache, const KV* v_cache,
                   const int64_t* table, int64_t b0, int64_t b1, int64_t ctx, int block_size,
                   int Hq, int Hkv, float scale, float* s, float* m, float* l, float* acc) {
   const int G = Hq / Hkv;
   const int64_t token_stride = static_cast<int64_t>(Hkv) * D;
   const int64_t t0 = b0 * block_size, t1 = std::min(ctx, b1 * block_size), len = t1 - t0;
   for_each_row(k_cache, table, b0, b1, t1, block_size, token_stride,
-               [&](int64_t t, const float* krow) {
+               [&](int64_t t, const KV* krow) {
     float* st = s + (t - t0);  // s[hq * len + t - t0]
     int hq = 0;
     for (; hq + 3 <= Hq; hq += 3) {
@@ -158,10 +165,10 @@ void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
   }
   std::fill(acc, acc + static_cast<int64_t>(Hq) * D, 0.f);
   for_each_row(v_cache, table, b0, b1, t1, block_size, token_stride,
-               [&](int64_t t, const float* vrow) {
+               [&](int64_t t, const KV* vrow) {
     for (int hq = 0; hq < Hq; ++hq) {
       const float p = s[hq * len + t - t0];
-      const float* v = vrow + static_cast<int64_t>(hq / G) * D;
+      const KV* v = vrow + static_cast<int64_t>(hq / G) * D;
       float* ah = acc + static_cast<int64_t>(hq) * D;
 #pragma GCC unroll 32
       for (int c = 0; c < D / 8; ++c) {
@@ -172,8 +179,8 @@ void attend_chunk(const float* q, const float* k_cache, const float* v_cache,
   });
 }
 
-template <int D>
-void run(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+template <int D, class KV>
+void run(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
          const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
          const int64_t* rows, float* out, int n, int Hq, int Hkv, int block_size, float scale,
          int num_threads) {
@@ -233,23 +240,13 @@ void run(const float* q, int64_t q_row_stride, const float* k_cache, const float
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Returns 0 on success, else (nothing written):
-//   1  a head dim not listed below, Hq not a multiple of Hkv, a GQA group wider than
-//      kMaxHeads query heads, or a non-positive size;
-//   2  a seq_len < 1, or one needing more than table_width blocks;
-//   3  a row outside [0, num_rows), or the same row twice;
-//   4  a block id outside [0, num_blocks) among the blocks a context needs.
-// The checks read n + sum(ceil(seq_len / block_size)) integers: microseconds.
-int conveyor_decode_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
-                                  const float* v_cache, const int64_t* tables,
-                                  int64_t table_stride, int64_t table_width,
-                                  const int64_t* seq_lens, const int64_t* rows, float* out,
-                                  int64_t num_rows, int64_t num_blocks, int n, int Hq, int Hkv,
-                                  int head_dim, int block_size, float scale, int num_threads) {
+// The checks and the head-dim dispatch of both entry points below.
+template <class KV>
+int decode_attention(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
+                     const int64_t* tables, int64_t table_stride, int64_t table_width,
+                     const int64_t* seq_lens, const int64_t* rows, float* out, int64_t num_rows,
+                     int64_t num_blocks, int n, int Hq, int Hkv, int head_dim, int block_size,
+                     float scale, int num_threads) {
   if (Hkv <= 0 || Hq % Hkv != 0 || Hq / Hkv > kMaxHeads || block_size <= 0 || num_threads <= 0 ||
       n < 0 || num_rows < 0 || num_blocks <= 0)
     return 1;
@@ -281,6 +278,47 @@ int conveyor_decode_attention_f32(const float* q, int64_t q_row_stride, const fl
     default:
       return 1;
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Both return 0 on success, else (nothing written):
+//   1  a head dim not listed above, Hq not a multiple of Hkv, a GQA group wider than
+//      kMaxHeads query heads, or a non-positive size;
+//   2  a seq_len < 1, or one needing more than table_width blocks;
+//   3  a row outside [0, num_rows), or the same row twice;
+//   4  a block id outside [0, num_blocks) among the blocks a context needs.
+// The checks read n + sum(ceil(seq_len / block_size)) integers: microseconds.
+// The caches are `const void*` so that both share one signature (the fused forward calls
+// either through one function pointer type).
+
+// fp32 caches.
+int conveyor_decode_attention_f32(const float* q, int64_t q_row_stride, const void* k_cache,
+                                  const void* v_cache, const int64_t* tables,
+                                  int64_t table_stride, int64_t table_width,
+                                  const int64_t* seq_lens, const int64_t* rows, float* out,
+                                  int64_t num_rows, int64_t num_blocks, int n, int Hq, int Hkv,
+                                  int head_dim, int block_size, float scale, int num_threads) {
+  return decode_attention(q, q_row_stride, static_cast<const float*>(k_cache),
+                          static_cast<const float*>(v_cache), tables, table_stride, table_width,
+                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
+                          block_size, scale, num_threads);
+}
+
+// fp16 caches (IEEE binary16), fp32 q and out.
+int conveyor_decode_attention_f16kv(const float* q, int64_t q_row_stride, const void* k_cache,
+                                    const void* v_cache, const int64_t* tables,
+                                    int64_t table_stride, int64_t table_width,
+                                    const int64_t* seq_lens, const int64_t* rows, float* out,
+                                    int64_t num_rows, int64_t num_blocks, int n, int Hq,
+                                    int Hkv, int head_dim, int block_size, float scale,
+                                    int num_threads) {
+  return decode_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
+                          static_cast<const Half*>(v_cache), tables, table_stride, table_width,
+                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
+                          block_size, scale, num_threads);
 }
 
 }  // extern "C"

@@ -15,9 +15,11 @@
 //
 // The linear layers and the attention are not compiled here: the caller passes function
 // pointers to the builds it chose (conveyor_qlinear of kernels/csrc/quant_linear_cpu.cpp,
-// built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 of
-// kernels/csrc/decode_attention_cpu.cpp), so one step runs exactly the kernels the
-// unfused path would run for those layers, and a new weight format needs nothing here.
+// built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 or
+// _f16kv of kernels/csrc/decode_attention_cpu.cpp, as the cache's dtype asks), so one step
+// runs exactly the kernels the unfused path would run for those layers, and a new weight
+// format needs nothing here. An fp16 cache gets each row's K/V rounded to nearest even on
+// store (half.h), the bits torch's `.to(torch.float16)` gives the unfused path.
 //
 // Every row is computed on its own (the small ops loop over rows, the linear kernels are
 // row-invariant, the attention is per row): a row's result never depends on the other rows
@@ -31,13 +33,15 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
+
 extern "C" {
 typedef int (*qlinear_fn)(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                           int64_t N, int64_t Np, const void* w, const void* scale,
                           const void* minv, int64_t group, const float* bias, float* y,
                           int64_t y_stride, int num_threads);
-typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const float* k_cache,
-                            const float* v_cache, const int64_t* tables, int64_t table_stride,
+typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const void* k_cache,
+                            const void* v_cache, const int64_t* tables, int64_t table_stride,
                             int64_t table_width, const int64_t* seq_lens, const int64_t* rows,
                             float* out, int64_t num_rows, int64_t num_blocks, int n, int Hq,
                             int Hkv, int head_dim, int block_size, float scale,
@@ -57,20 +61,21 @@ struct ConveyorLayer {
   ConveyorLinear qkv, o, gate_up, down;
   const float* ln1;  // [H]
   const float* ln2;  // [H]
-  float* kv;         // [2, num_blocks, block_size, Hkv, D]
+  void* kv;          // [2, num_blocks, block_size, Hkv, D], fp32, or fp16 where kv_half
 };
 
 struct ConveyorModel {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
   int64_t max_position, num_blocks, block_size;
   float eps, scale;
+  int64_t kv_half;              // 1: the caches hold fp16 (half.h), 0: fp32
   const ConveyorLayer* layers;  // [num_layers]
   const float* embed;           // [vocab, hidden]
   const float* norm;            // [hidden]
   const float* cos;             // [max_position, D / 2]
   const float* sin;             // [max_position, D / 2]
   ConveyorLinear lm_head;
-  attention_fn attention;
+  attention_fn attention;  // the decode attention entry point for the caches' dtype
 };
 
 // One step of M rows. tables [M, table_stride] (table_width valid columns), seq_lens [M]:
@@ -213,16 +218,24 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
         add_norm_row(residual + m * H, h + m * H, L.ln1, md.eps, H, x + m * H);
       });
     if ((rc = linear(L.qkv, x, H, M, qkv, threads)) != 0) return 20 + rc;
-    float* k_cache = L.kv;
-    float* v_cache = L.kv + block_elems;
+    const int64_t elem = md.kv_half ? sizeof(conveyor::Half) : sizeof(float);
+    char* k_cache = static_cast<char*>(L.kv);
+    char* v_cache = k_cache + block_elems * elem;
     for_rows(M, threads, [&](int64_t m) {
       float* row = qkv + m * qkv_n;
       const float* c = md.cos + st.positions[m] * half;
       const float* s = md.sin + st.positions[m] * half;
       rotate_row(row, Hq + Hkv, D, c, s);  // q heads then k heads, side by side
-      std::memcpy(k_cache + st.slots[m] * kv_width, row + Hq * D, sizeof(float) * kv_width);
-      std::memcpy(v_cache + st.slots[m] * kv_width, row + (Hq + Hkv) * D,
-                  sizeof(float) * kv_width);
+      char* k_dst = k_cache + st.slots[m] * kv_width * elem;
+      char* v_dst = v_cache + st.slots[m] * kv_width * elem;
+      if (md.kv_half) {
+        conveyor::store_half(reinterpret_cast<conveyor::Half*>(k_dst), row + Hq * D, kv_width);
+        conveyor::store_half(reinterpret_cast<conveyor::Half*>(v_dst), row + (Hq + Hkv) * D,
+                             kv_width);
+      } else {
+        std::memcpy(k_dst, row + Hq * D, sizeof(float) * kv_width);
+        std::memcpy(v_dst, row + (Hq + Hkv) * D, sizeof(float) * kv_width);
+      }
     });
     rc = md.attention(qkv, qkv_n, k_cache, v_cache, st.tables, st.table_stride, st.table_width,
                       st.seq_lens, rows.data(), attn, M, md.num_blocks, static_cast<int>(M),

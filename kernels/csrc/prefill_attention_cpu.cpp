@@ -1,4 +1,6 @@
-// Causal paged attention of one prefill chunk on the CPU, fp32 (flash-attention style).
+// Causal paged attention of one prefill chunk on the CPU, fp32 queries and output (flash-
+// attention style). The cache holds fp32 or fp16 (--kv-cache-dtype float16), widened to
+// fp32 as it is read (K once per call into its transposed copy, V row by row).
 //
 // A chunk is n query tokens of one sequence at positions ctx - n .. ctx - 1 (the chunk's own
 // K/V already stored in the cache); query i attends to keys 0 .. ctx - n + i, read straight
@@ -36,7 +38,15 @@
 #include <cstring>
 #include <vector>
 
+#include "half.h"
+
 namespace {
+
+using conveyor::Half;  // an fp16 K/V element (half.h)
+using conveyor::load8;
+using conveyor::to_float;
+
+inline float to_float(float x) { return x; }
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -90,15 +100,15 @@ inline void scores(const float* const* qrow, const float* kt, float scale, float
 
 // o[0 .. 8W) = alpha o + sum over the first `visible` tokens j of p[j] v_j[0 .. 8W): W vector
 // accumulators of one output row.
-template <int W>
-inline void pv(float* o, const float* v, const float* p, int visible, float alpha,
+template <int W, class KV>
+inline void pv(float* o, const KV* v, const float* p, int visible, float alpha,
                int64_t token_stride) {
   v8 a[W];
   const v8 va = splat(alpha);
   for (int c = 0; c < W; ++c) a[c] = load8(o + 8 * c) * va;
   for (int j = 0; j < visible; ++j) {
     const v8 pj = splat(p[j]);
-    const float* vj = v + j * token_stride;
+    const KV* vj = v + j * token_stride;
     for (int c = 0; c < W; ++c) a[c] += pj * load8(vj + 8 * c);
   }
   for (int c = 0; c < W; ++c) store8(o + 8 * c, a[c]);
@@ -106,8 +116,8 @@ inline void pv(float* o, const float* v, const float* p, int visible, float alph
 
 // Query tokens i0 .. i0 + kTileQueries - 1 (clipped to n) of KV head h's query heads. kt_h:
 // [blocks, D, BS] K^T of head h's blocks (made once per call by run).
-template <int D, int BS8>
-void tile(const float* q, int64_t q_row_stride, const float* kt_h, const float* v_cache,
+template <int D, int BS8, class KV>
+void tile(const float* q, int64_t q_row_stride, const float* kt_h, const KV* v_cache,
           const int64_t* table, int64_t n, int64_t ctx, float* out, int64_t out_row_stride,
           int Hq, int Hkv, int block_size, float scale, int h, int64_t i0,
           std::vector<float>& buf) {
@@ -134,7 +144,7 @@ void tile(const float* q, int64_t q_row_stride, const float* kt_h, const float* 
     const int64_t k0 = b * block_size;
     const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - k0));
     const float* kt = kt_h + b * D * BS;
-    const float* vb = v_cache + table[b] * block_size * token_stride + static_cast<int64_t>(h) * D;
+    const KV* vb = v_cache + table[b] * block_size * token_stride + static_cast<int64_t>(h) * D;
     int r = 0;
     if constexpr (kScoreRows == 8)
       for (; r + 8 <= rows; r += 8) scores<D, 8, BS8>(qrow.data() + r, kt, scale, s + r * BS, BS);
@@ -186,8 +196,8 @@ void tile(const float* q, int64_t q_row_stride, const float* kt_h, const float* 
   }
 }
 
-template <int D, int BS8>
-void run(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+template <int D, int BS8, class KV>
+void run(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
          const int64_t* table, int64_t n, int64_t ctx, float* out, int64_t out_row_stride,
          int Hq, int Hkv, int block_size, float scale, int num_threads) {
   constexpr int BS = BS8 * 8;
@@ -203,10 +213,10 @@ void run(const float* q, int64_t q_row_stride, const float* k_cache, const float
     for (int64_t hb = 0; hb < Hkv * blocks; ++hb) {
       const int64_t h = hb / blocks, b = hb % blocks;
       const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - b * block_size));
-      const float* kb = k_cache + table[b] * block_size * token_stride + h * D;
+      const KV* kb = k_cache + table[b] * block_size * token_stride + h * D;
       float* dst = kt.data() + hb * D * BS;
       for (int j = 0; j < BS; ++j)
-        for (int d = 0; d < D; ++d) dst[d * BS + j] = j < nt ? kb[j * token_stride + d] : 0.f;
+        for (int d = 0; d < D; ++d) dst[d * BS + j] = j < nt ? to_float(kb[j * token_stride + d]) : 0.f;
     }
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
@@ -220,8 +230,8 @@ void run(const float* q, int64_t q_row_stride, const float* k_cache, const float
   }
 }
 
-template <int D>
-void run_d(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+template <int D, class KV>
+void run_d(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
            const int64_t* table, int64_t n, int64_t ctx, float* out, int64_t out_row_stride,
            int Hq, int Hkv, int block_size, float scale, int num_threads) {
   switch ((block_size + 7) / 8) {
@@ -245,21 +255,12 @@ void run_d(const float* q, int64_t q_row_stride, const float* k_cache, const flo
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Returns 0 on success, else (nothing written):
-//   1  a head dim not listed below, Hq not a multiple of Hkv, block_size outside
-//      [1, kMaxBlock], or a non-positive size;
-//   2  n > ctx, or a table shorter than ceil(ctx / block_size);
-//   4  a block id outside [0, num_blocks) among the blocks the context needs.
-int conveyor_prefill_attention_f32(const float* q, int64_t q_row_stride, const float* k_cache,
-                                   const float* v_cache, const int64_t* table,
-                                   int64_t table_len, int64_t n, int64_t ctx, float* out,
-                                   int64_t out_row_stride, int64_t num_blocks, int Hq, int Hkv,
-                                   int head_dim, int block_size, float scale,
-                                   int num_threads) {
+// The checks and the head-dim dispatch of both entry points below.
+template <class KV>
+int prefill_attention(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
+                      const int64_t* table, int64_t table_len, int64_t n, int64_t ctx,
+                      float* out, int64_t out_row_stride, int64_t num_blocks, int Hq, int Hkv,
+                      int head_dim, int block_size, float scale, int num_threads) {
   if (Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0 || block_size <= 0 || block_size > kMaxBlock ||
       num_threads <= 0 || n <= 0 || ctx <= 0 || num_blocks <= 0)
     return 1;
@@ -284,6 +285,42 @@ int conveyor_prefill_attention_f32(const float* q, int64_t q_row_stride, const f
     default:
       return 1;
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Both return 0 on success, else (nothing written):
+//   1  a head dim not listed above, Hq not a multiple of Hkv, block_size outside
+//      [1, kMaxBlock], or a non-positive size;
+//   2  n > ctx, or a table shorter than ceil(ctx / block_size);
+//   4  a block id outside [0, num_blocks) among the blocks the context needs.
+
+// fp32 caches.
+int conveyor_prefill_attention_f32(const float* q, int64_t q_row_stride, const void* k_cache,
+                                   const void* v_cache, const int64_t* table,
+                                   int64_t table_len, int64_t n, int64_t ctx, float* out,
+                                   int64_t out_row_stride, int64_t num_blocks, int Hq, int Hkv,
+                                   int head_dim, int block_size, float scale,
+                                   int num_threads) {
+  return prefill_attention(q, q_row_stride, static_cast<const float*>(k_cache),
+                           static_cast<const float*>(v_cache), table, table_len, n, ctx, out,
+                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
+                           num_threads);
+}
+
+// fp16 caches (IEEE binary16), fp32 q and out.
+int conveyor_prefill_attention_f16kv(const float* q, int64_t q_row_stride, const void* k_cache,
+                                     const void* v_cache, const int64_t* table,
+                                     int64_t table_len, int64_t n, int64_t ctx, float* out,
+                                     int64_t out_row_stride, int64_t num_blocks, int Hq,
+                                     int Hkv, int head_dim, int block_size, float scale,
+                                     int num_threads) {
+  return prefill_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
+                           static_cast<const Half*>(v_cache), table, table_len, n, ctx, out,
+                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
+                           num_threads);
 }
 
 }  // extern "C"

@@ -14,7 +14,7 @@ request's delta frame), synchronously, in one thread. Scenarios:
 Each step is split into schedule / build_batch (block ops and metadata) / linear /
 attention (K/V store included) / other (the rest of the forward) / sample /
 update (scheduler output processing) / detokenize+stream. Variants (quantization x
-threads) are interleaved round by round so that they see the same machine load;
+decode kernel x batch invariance x fused decode x KV cache dtype x threads) are interleaved round by round so that they see the same machine load;
 figures are medians over rounds of each run's median step (sections: means).
 Prompts are real English (service.bench.texts), different for every sequence.
 """
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-fused-decode", default="auto", metavar="LIST",
                    help="comma-separated settings among auto, off (e.g. auto,off: decode steps "
                         "as one native call against one call per op)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="LIST",
+                   help="comma-separated KV cache dtypes among auto, float32, float16, "
+                        "bfloat16 (e.g. auto,float16: what a 16-bit cache buys)")
     p.add_argument("--threads", default=None, metavar="LIST",
                    help="comma-separated torch thread counts to compare, and `auto` for the "
                         "adaptive thread tuner (default: the CPUs, affinity and quota)")
@@ -99,7 +102,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
-                                          list[tuple[str | None, str, bool, str]],
+                                          list[tuple[str | None, str, bool, str, str]],
                                           list[int | str], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
@@ -122,8 +125,13 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
     if any(f not in ("auto", "on", "off") for f in fused) or len(set(fused)) < len(fused):
         raise ValueError(f"--cpu-fused-decode values must be distinct among auto, on, off, "
                          f"got {a.cpu_fused_decode!r}")
-    models = [(q, k, b == "on", f) for q in quants for k in kernels for b in invariant
-              for f in fused]
+    kv_dtypes = [d.strip() for d in a.kv_cache_dtype.split(",")]
+    if (any(d not in ("auto", "float32", "float16", "bfloat16") for d in kv_dtypes)
+            or len(set(kv_dtypes)) < len(kv_dtypes)):
+        raise ValueError(f"--kv-cache-dtype values must be distinct among auto, float32, "
+                         f"float16, bfloat16, got {a.kv_cache_dtype!r}")
+    models = [(q, k, b == "on", f, d) for q in quants for k in kernels for b in invariant
+              for f in fused for d in kv_dtypes]
     threads: list[int | str] = [default_num_threads()]
     if a.threads:
         auto = [t.strip() for t in a.threads.split(",")].count("auto")
@@ -175,23 +183,25 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None,
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[tuple[str | None, str, bool, str], ModelRunner] = {}
-    for q, k, bi, f in models:
+    runners: dict[tuple[str | None, str, bool, str, str], ModelRunner] = {}
+    for q, k, bi, f, d in models:
         cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
                                              batch_invariant=bi, adaptive_threads=False,
                                              cpu_fused_decode=f),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
-                                             swap_space=0))
-        runners[(q, k, bi, f)] = ModelRunner(cfg, loaded)
+                                             swap_space=0, kv_cache_dtype=d))
+        runners[(q, k, bi, f, d)] = ModelRunner(cfg, loaded)
     if freeze_heap:
         freeze_startup_heap("engine-only bench")
 
-    def label(m: tuple[str | None, str, bool, str], t: int | str) -> str:
-        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/unfused/2t"; the kernel is the
-        # one "auto" resolved to; "unfused": --cpu-fused-decode off (where the default fused
-        # decode steps is in the report's "fused_decode")
+    def label(m: tuple[str | None, str, bool, str, str], t: int | str) -> str:
+        # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/unfused/2t", "auto/cpp/kv16/2t";
+        # the kernel is the one "auto" resolved to; "unfused": --cpu-fused-decode off (where
+        # the default fused decode steps is in the report's "fused_decode"); kv16 / kvbf16:
+        # a float16 / bfloat16 KV cache
+        kv = {"float16": "/kv16", "bfloat16": "/kvbf16", "float32": "/kv32"}.get(m[4], "")
         return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}"
-                f"{'/unfused' if m[3] == 'off' else ''}/{t}{'t' if t != 'auto' else ''}")
+                f"{'/unfused' if m[3] == 'off' else ''}{kv}/{t}{'t' if t != 'auto' else ''}")
 
     tuning: dict[str, dict[str, list]] = {}
 

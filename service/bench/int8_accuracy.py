@@ -2,6 +2,7 @@
 
     python -m service.bench.int8_accuracy                  # int8: 20 prompts x 64 tokens, perplexity
     python -m service.bench.int8_accuracy --mode int4 --json int4.json
+    python -m service.bench.int8_accuracy --mode auto --kv-cache-dtype float16   # 16-bit K/V too
 
 Measures, on the same loaded checkpoint (the quantized model's linear kernels chosen by
 measurement on this machine, as the server does; the JSON records the choice):
@@ -35,12 +36,14 @@ from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 def make_runner(loaded: LoadedModel, quantization: str | None,
-                num_kv_blocks: int = 1024, batch_invariant: bool = False) -> ModelRunner:
+                num_kv_blocks: int = 1024, batch_invariant: bool = False,
+                kv_cache_dtype: str = "auto") -> ModelRunner:
     """A CPU runner over `loaded` with dense (None: the fp32 oracle), "int8", "int4" or
-    "auto" linear layers."""
+    "auto" linear layers, and a KV cache of kv_cache_dtype (``--kv-cache-dtype``)."""
     cfg = EngineConfig(model=ModelConfig(quantization=quantization,
                                          batch_invariant=batch_invariant),
-                       cache=CacheConfig(num_kv_blocks=num_kv_blocks, swap_space=0))
+                       cache=CacheConfig(num_kv_blocks=num_kv_blocks, swap_space=0,
+                                         kv_cache_dtype=kv_cache_dtype))
     return ModelRunner(cfg, loaded)
 
 
@@ -105,15 +108,18 @@ def prompt_set(loaded: LoadedModel, count: int = 20) -> list[list[int]]:
 
 
 def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
-            mode: str = "int8") -> dict[str, object]:
-    """All figures of the module docstring, fp32 vs `mode` ("int8" or "int4")."""
+            mode: str = "int8", kv_cache_dtype: str = "auto") -> dict[str, object]:
+    """All figures of the module docstring, fp32 vs `mode` ("int8" or "int4"; "none": dense
+    fp32 too, to measure kv_cache_dtype alone) with its KV cache in kv_cache_dtype (the
+    fp32 oracle's stays fp32)."""
     import platform
 
     from kernels.cpu_build import cpu_flags
     from service.bench.texts import PASSAGES
     from service.worker.quantization.paths import machine_note
 
-    fp32, quant = make_runner(loaded, None), make_runner(loaded, mode)
+    fp32 = make_runner(loaded, None)
+    quant = make_runner(loaded, None if mode == "none" else mode, kv_cache_dtype=kv_cache_dtype)
     plan = quant.linear_plan
     prompts = prompt_set(loaded, num_prompts)
     ref = greedy(fp32, prompts, max_tokens)
@@ -131,7 +137,8 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
     cosine = torch.nn.functional.cosine_similarity(la, lb, dim=-1)
     flags = cpu_flags()
     return {
-        "mode": mode, "prompts": len(prompts), "max_tokens": max_tokens,
+        "mode": mode, "kv_cache_dtype": str(quant.kv_dtype).removeprefix("torch."),
+        "prompts": len(prompts), "max_tokens": max_tokens,
         "machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "avx512": "avx512f" in flags, "vnni": machine_note(),
                     "processor": platform.processor() or platform.machine(),
@@ -151,8 +158,13 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m service.bench.int8_accuracy",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="int8", choices=["int8", "int4", "auto", "auto-a8"],
-                   help="the --quantization to compare with fp32")
+    p.add_argument("--mode", default="int8",
+                   choices=["int8", "int4", "auto", "auto-a8", "none"],
+                   help="the --quantization to compare with fp32 (none: dense fp32, with "
+                        "--kv-cache-dtype to measure the cache's dtype alone)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the compared runner's KV cache (the fp32 oracle's is float32)")
     p.add_argument("--prompts", type=int, default=20, metavar="N",
                    help="chat prompts whose greedy continuations are compared (default 20)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N",
@@ -164,8 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("accuracy: --prompts must be >= 2 and --max-tokens >= 1", file=sys.stderr)
         return 2
     r = measure(load_model(None, torch.float32), num_prompts=a.prompts, max_tokens=a.max_tokens,
-                mode=a.mode)
-    print(f"greedy, {r['prompts']} prompts x {r['max_tokens']} tokens: "
+                mode=a.mode, kv_cache_dtype=a.kv_cache_dtype)
+    print(f"{a.mode}, KV cache {r['kv_cache_dtype']}; "
+          f"greedy, {r['prompts']} prompts x {r['max_tokens']} tokens: "
           f"{r['greedy_identical_prompts']} identical; leading agreement mean "
           f"{r['greedy_leading_agreement_mean']:.1f}, median {r['greedy_leading_agreement_median']}")
     print(f"teacher-forced top-1 agreement: {100 * r['teacher_forced_top1_agreement']:.1f}%")

@@ -190,6 +190,10 @@ class CacheConfig:
         restarts and shared by engines given the same directory); None = no disk tier.
         Needs enable_prefix_caching.
     kv_disk_size: most bytes of block files the disk tier keeps (LRU eviction).
+    kv_cache_dtype: the K/V cache's element type (vLLM's --kv-cache-dtype): "auto" = the
+        model's dtype; "float16" or "bfloat16" store K/V in 16 bits under any dtype
+        (half the cache's bytes, so twice the blocks in kv_cache_memory, and half what
+        attention reads; the CPU's C++ kernels read float16 and float32); "float32".
     """
 
     block_size: int = option(16, "tokens per KV block", metavar="TOKENS")
@@ -214,6 +218,11 @@ class CacheConfig:
     kv_disk_size: int = option(8 * GiB, "most bytes of block files the disk KV tier keeps "
                                "(LRU eviction), e.g. 512MiB, 20GiB", metavar="BYTES",
                                parse=_bytes)
+    kv_cache_dtype: str = option(
+        "auto", "K/V cache element type: auto = the model's --dtype; float16 / bfloat16 = "
+        "16-bit K/V under any dtype (twice the blocks, half the attention reads; on the CPU "
+        "our C++ attention reads float16 and float32, bfloat16 goes through torch SDPA)",
+        choices=("auto", "float32", "float16", "bfloat16"))
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
@@ -229,6 +238,8 @@ class CacheConfig:
                                              and self.kv_disk_path != ""),
                "kv_disk_path", "None or a directory path", self.kv_disk_path)
         _check(self.kv_disk_size >= 1, "kv_disk_size", ">= 1 bytes", self.kv_disk_size)
+        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
+               "kv_cache_dtype", "one of auto, float32, float16, bfloat16", self.kv_cache_dtype)
         _check(self.kv_disk_path is None or self.enable_prefix_caching, "kv_disk_path",
                "None unless enable_prefix_caching", self.kv_disk_path)
 

@@ -32,12 +32,14 @@ def check_decode_kernel_builds() -> None:
 
 
 def choose_decode_kernel(setting: str, backend: str, device: torch.device, dtype: torch.dtype,
-                         num_heads: int, num_kv_heads: int, head_dim: int) -> str:
+                         num_heads: int, num_kv_heads: int, head_dim: int,
+                         kv_dtype: torch.dtype | None = None) -> str:
     """The decode attention for this model: "cpp" or "sdpa" on the torch backend, "none" on
     Triton (which runs its own).
 
     setting: "auto" (cpp when it applies and builds, else sdpa: a failed build is logged as
     a warning), "cpp" or "sdpa". backend: "torch" or "triton" (`kernels.resolve_backend`).
+    kv_dtype: the KV cache's dtype (None: dtype).
 
     Raises:
         ValueError: setting "cpp" where the kernel does not apply (not the CPU torch
@@ -50,9 +52,10 @@ def choose_decode_kernel(setting: str, backend: str, device: torch.device, dtype
         applies, why = False, f"the {backend} kernels run attention"
     elif device.type != "cpu":
         applies, why = False, f"device {device} is not the CPU"
-    elif not dac.supports(dtype, num_heads, num_kv_heads, head_dim):
-        applies, why = False, (f"dtype {dtype} with {num_heads}/{num_kv_heads} heads of "
-                               f"{head_dim} is not covered (fp32, D in {dac.HEAD_DIMS})")
+    elif not dac.supports(dtype, num_heads, num_kv_heads, head_dim, kv_dtype):
+        applies, why = False, (f"dtype {dtype} (KV cache {kv_dtype or dtype}) with "
+                               f"{num_heads}/{num_kv_heads} heads of {head_dim} is not covered "
+                               f"(fp32, a cache in {dac.KV_DTYPES}, D in {dac.HEAD_DIMS})")
     else:
         applies, why = True, ""
         problem = _build_problem() if setting != "sdpa" else None

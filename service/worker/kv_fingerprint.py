@@ -8,7 +8,8 @@ live in different folders and are named by different digest chains).
 What goes in (`kv_fingerprint_fields`):
 - the model file's identity: resolved path, size and modification time (ns) of the
   .gguf file, or of config.json and every *.safetensors file of an HF folder;
-- KV dtype, block size, layers, KV heads, head dim;
+- the model's dtype, the KV cache's (only where --kv-cache-dtype makes it differ), block
+  size, layers, KV heads, head dim;
 - rope: the inverse frequencies' bytes, attention scaling, rope_theta and rope_scaling;
 - quantization mode (as served), batch invariance, the device type (cpu or cuda).
 The linear kernel plan is left out on purpose: it is chosen per row count within one
@@ -46,14 +47,14 @@ def model_identity(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def kv_fingerprint_fields(runner: Any, model_path: str | os.PathLike) -> dict[str, Any]:
     """The fingerprint's fields for a `ModelRunner` (or anything with its attributes:
-    dtype, block_size, device, quantization, batch_invariant, model.num_layers,
-    model.num_kv_heads, model.head_dim, loaded.inv_freq, loaded.attention_scaling,
-    loaded.hf_config) serving the model at `model_path`."""
+    dtype, kv_dtype (optional: dtype), block_size, device, quantization, batch_invariant,
+    model.num_layers, model.num_kv_heads, model.head_dim, loaded.inv_freq,
+    loaded.attention_scaling, loaded.hf_config) serving the model at `model_path`."""
     loaded, model = runner.loaded, runner.model
     cfg = loaded.hf_config
     inv_freq = loaded.inv_freq.detach().to("cpu").contiguous()
     rope = hashlib.blake2b(inv_freq.numpy().tobytes(), digest_size=16).hexdigest()
-    return {
+    fields = {
         "format": FORMAT_VERSION,
         "model": model_identity(model_path),
         "dtype": str(runner.dtype).removeprefix("torch."),
@@ -69,6 +70,10 @@ def kv_fingerprint_fields(runner: Any, model_path: str | os.PathLike) -> dict[st
         "batch_invariant": bool(runner.batch_invariant),
         "device": runner.device.type,
     }
+    kv_dtype = getattr(runner, "kv_dtype", runner.dtype)
+    if kv_dtype != runner.dtype:  # only then: a cache in the model's dtype keeps its digest
+        fields["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")
+    return fields
 
 
 def fingerprint_digest(fields: dict[str, Any]) -> bytes:

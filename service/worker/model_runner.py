@@ -63,6 +63,8 @@ class ModelRunner:
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
+        # The K/V cache's element type: the model's, or 16 bits under any (--kv-cache-dtype)
+        self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
         threads = mc.num_threads or default_num_threads()
         if self.device.type == "cpu":
             # One intra-op thread per CPU this process may use (affinity and cgroup
@@ -85,10 +87,11 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         backend = resolve_backend(mc.attention_backend, self.device)  # "torch" or "triton"
         self.decode_kernel = choose_decode_kernel(decode_setting, backend, self.device,
-                                                  self.dtype, heads, kv_heads, head_dim)
+                                                  self.dtype, heads, kv_heads, head_dim,
+                                                  self.kv_dtype)
         self.ops = select_ops(backend, self.device, AttentionLayout(
             heads, kv_heads, head_dim, self.dtype, cc.block_size, self.decode_kernel,
-            all_rows=self.batch_invariant))
+            all_rows=self.batch_invariant, kv_dtype=self.kv_dtype))
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
         self._timer: SectionTimer | None = None
         self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
@@ -101,13 +104,13 @@ class ModelRunner:
         self.block_size = cc.block_size
         model_len = self.model.max_position
         self.max_model_len = min(mc.max_model_len or model_len, model_len)
-        per_block = self.model.kv_bytes_per_token(self.dtype) * cc.block_size
+        per_block = self.model.kv_bytes_per_token(self.kv_dtype) * cc.block_size
         self.num_blocks = cc.num_kv_blocks or max(2, cc.kv_cache_memory // per_block)
         shape = (2, self.num_blocks, cc.block_size, self.model.num_kv_heads, self.model.head_dim)
         # On the CPU the cache's memory asks for 2 MiB pages: a step reads its blocks
         # scattered over all of it (service/worker/huge_pages.py)
-        self.kv_caches = [zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
-                          else torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [zeros_on_huge_pages(shape, self.kv_dtype) if self.device.type == "cpu"
+                          else torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.kv_bytes_per_block = per_block
@@ -137,11 +140,11 @@ class ModelRunner:
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
         pin = self.device.type == "cuda"
-        self.swap_caches = [torch.zeros(swap_shape, dtype=self.dtype, pin_memory=pin)
+        self.swap_caches = [torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin)
                             for _ in range(self.model.num_layers)] if self.num_swap_blocks else []
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB; swap space %d blocks",
-                 self.num_blocks, cc.block_size, self.kv_cache_bytes / 2**20,
-                 self.num_swap_blocks)
+        log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; swap space %d blocks",
+                 self.num_blocks, cc.block_size, str(self.kv_dtype).removeprefix("torch."),
+                 self.kv_cache_bytes / 2**20, self.num_swap_blocks)
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
@@ -359,6 +362,7 @@ class ModelRunner:
         """What the engine_ready log line says about this runner."""
         return {"device": str(self.device), "kernels": self.ops.name,
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "quantization": self.quantization or "none",
                 "batch_invariant": str(self.batch_invariant).lower(),
                 "decode_kernel": self.decode_kernel,

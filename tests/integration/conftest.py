@@ -16,7 +16,7 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
                   scheduling_policy: str = "fcfs", batching: str = "continuous",
                   quantization: str | None = "auto", kv_disk_path: str | None = None,
-                  kv_disk_size: int = 1 << 30) -> EngineConfig:
+                  kv_disk_size: int = 1 << 30, kv_cache_dtype: str = "auto") -> EngineConfig:
     from service.config import ModelConfig
 
     return EngineConfig(
@@ -25,7 +25,7 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
                           kv_watermark_low=watermarks[0], kv_watermark_high=watermarks[1],
                           kv_watermark_critical=watermarks[2], kv_disk_path=kv_disk_path,
-                          kv_disk_size=kv_disk_size),
+                          kv_disk_size=kv_disk_size, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_waiting_requests=max_waiting_requests,

@@ -40,6 +40,26 @@ def test_build_is_cached(kernel, tmp_path) -> None:
 
 
 @needs_gxx
+def test_a_quoted_header_is_part_of_the_build_key(tmp_path, monkeypatch) -> None:
+    # kernels/csrc/half.h is shared by three sources: editing it must rebuild them all
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "two.h").write_text("constexpr int kTwo = 2;\n")
+    src = tmp_path / "answer.cpp"
+    src.write_text('#include "two.h"\n' + SOURCE.replace("2 * x", "kTwo * x"))
+    kernel = CppKernel("answer", src, ("-O2", "-fPIC", "-fopenmp"))
+    first = cpu_build.build(kernel, "g++")
+    (tmp_path / "two.h").write_text("constexpr int kTwo = 3;\n")
+    second = cpu_build.build(kernel, "g++")
+    assert second != first and second.exists()
+    lib = ctypes.CDLL(str(second))
+    _setup(lib)
+    assert lib.conveyor_answer(5) == 15
+    (tmp_path / "two.h").unlink()
+    with pytest.raises(KernelBuildError, match="cannot read"):
+        cpu_build.build(kernel, "g++")
+
+
+@needs_gxx
 def test_other_flags_are_another_build(kernel) -> None:
     a = cpu_build.build(kernel, "g++")
     b = cpu_build.build(CppKernel("answer", kernel.source, ("-O1", "-fPIC")), "g++")

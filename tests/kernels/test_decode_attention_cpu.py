@@ -53,6 +53,37 @@ def test_matches_ref_and_naive(make_paged_batch, naive_attention, scenario, grou
 
 
 @needs_kernel
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("head_dim,group", [(16, 1), (64, 3), (80, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp16_cache_is_attention_over_its_fp32_widening(make_paged_batch, scenario, head_dim,
+                                                        group, threads) -> None:
+    # --kv-cache-dtype float16: both C++ kernels (decode rows, and the mixed scenario's
+    # prefill chunks) widen each fp16 value to fp32 as they load it and then do what they do
+    # over an fp32 cache: the output is that over the widened cache, up to the compiler's
+    # FMA contraction, which may differ between the two builds of a loop (one ulp seen).
+    batch = make_paged_batch(SCENARIOS[scenario], block_size=8, num_kv_heads=2, group=group,
+                             head_dim=head_dim, dtype=torch.float32,
+                             device=torch.device("cpu"), seed=13)
+    k16, v16 = batch.kv[0].half(), batch.kv[1].half()
+    plan = _plan(batch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out16 = cpu_paged_attention(batch.q, k16, v16, plan, batch.scale)
+        out32 = cpu_paged_attention(batch.q, k16.float(), v16.float(), plan, batch.scale)
+    finally:
+        torch.set_num_threads(before)
+    assert out16.dtype == torch.float32
+    torch.testing.assert_close(out16, out32, atol=1e-6, rtol=1e-6)
+    ref = paged_attention_ref(batch.q, k16, v16, batch.block_tables, batch.seq_lens,
+                              batch.cu_seqlens_q, batch.scale)
+    torch.testing.assert_close(out16, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(out16, cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], plan,
+                                                      batch.scale))  # fp16 rounding shows
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_and_many_heads(make_paged_batch, threads) -> None:
     # 4 KV heads x G 4: work items split heads when there are few sequences
@@ -158,6 +189,10 @@ def test_bad_input_raises() -> None:
         call(q, strided, strided, tables, lens, rows, out, 1.0)
     with pytest.raises(ValueError, match="decode_kernel"):
         plan_cpu_attention([1], [3], tables[:1], 8, 8, decode_kernel="fast")
+    with pytest.raises(ValueError, match="both caches alike"):
+        call(q, cache, cache.half(), tables, lens, rows, out, 1.0)
+    with pytest.raises(ValueError, match="both caches alike"):
+        call(q, cache.bfloat16(), cache.bfloat16(), tables, lens, rows, out, 1.0)
 
 
 def test_supports() -> None:
@@ -165,6 +200,9 @@ def test_supports() -> None:
     assert not dac.supports(torch.bfloat16, 9, 3, 64)
     assert not dac.supports(torch.float32, 9, 3, 24)
     assert not dac.supports(torch.float32, 8, 3, 64)
+    assert dac.supports(torch.float32, 9, 3, 64, torch.float16)
+    assert not dac.supports(torch.float32, 9, 3, 64, torch.bfloat16)
+    assert not dac.supports(torch.float16, 9, 3, 64, torch.float16)  # fp32 activations only
 
 
 @needs_kernel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import store_kv, store_kv_ref
+from kernels import _triton, store_kv, store_kv_ref
 
 
 def _case(device: torch.device, dtype: torch.dtype, block_size: int, seed: int):
@@ -46,6 +46,25 @@ def test_triton_matches_naive_loop(device, dtype, block_size) -> None:
     assert torch.equal(kv, expected)  # a copy: bit-exact
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("impl", [store_kv, store_kv_ref])
+def test_fp32_rows_into_a_16bit_cache_round_as_torch_does(device, impl, cache_dtype) -> None:
+    # --kv-cache-dtype float16 / bfloat16 under fp32 activations: each stored value is the
+    # bits of k.to(cache_dtype) (round to nearest even), and skipped slots keep theirs.
+    k, v, kv, slots = _case(device, torch.float32, 8, seed=6)
+    k[0, 0, :3] = torch.tensor([1e-8, 70000.0, 1 + 2 ** -11])  # subnormal-ish, overflow, a tie
+    cache = kv.to(cache_dtype)
+    expected = _naive(k.to(cache_dtype), v.to(cache_dtype), cache, slots)
+    impl(k, v, cache[0], cache[1], slots)
+    got, want = cache.view(torch.int16), expected.view(torch.int16)
+    if impl is store_kv and cache_dtype == torch.bfloat16 and _triton.interpret_enabled():
+        # Triton's interpreter narrows fp32 -> bf16 by truncation (compiled Triton rounds to
+        # nearest even): one unit in the last place apart, never more
+        assert (got.int() - want.int()).abs().max() <= 1 and not torch.equal(k, k.bfloat16().float())
+    else:
+        assert torch.equal(got, want)
+
+
 def test_triton_accepts_strided_views(device) -> None:
     # k and v as slices of a fused QKV output, as the model runner passes them.
     k, v, kv, slots = _case(device, torch.float32, 8, seed=3)
@@ -77,4 +96,8 @@ def test_bad_arguments_raise_value_error(device, impl) -> None:
     with pytest.raises(ValueError, match="contiguous"):
         impl(k, v, kv[0].transpose(0, 1), kv[1].transpose(0, 1), slots)
     with pytest.raises(ValueError, match="dtypes"):
-        impl(k.half(), v.half(), kv[0], kv[1], slots)
+        impl(k.half(), v, kv[0], kv[1], slots)
+    with pytest.raises(ValueError, match="dtypes"):
+        impl(k, v, kv[0], kv[1].half(), slots)
+    with pytest.raises(ValueError, match="dtypes"):
+        impl(k, v, kv[0].to(torch.int16), kv[1].to(torch.int16), slots)

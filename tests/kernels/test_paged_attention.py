@@ -60,6 +60,27 @@ def test_triton_matches_ref_half(make_paged_batch, naive_attention, device, tole
     torch.testing.assert_close(out.double().cpu(), naive_attention(batch), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_fp32_q_over_a_16bit_cache_is_attention_over_its_values(make_paged_batch, device,
+                                                                 cache_dtype, group) -> None:
+    # --kv-cache-dtype float16 / bfloat16 under fp32 activations: both implementations
+    # attend over the cache's values widened to fp32 (the ref bit for bit, Triton to fp32
+    # tolerance), and the output stays fp32.
+    batch = make_paged_batch(
+        SCENARIOS["mixed"], block_size=16, num_kv_heads=2, group=group,
+        head_dim=32, dtype=torch.float32, device=device, seed=7,
+    )
+    k16, v16 = batch.kv[0].to(cache_dtype), batch.kv[1].to(cache_dtype)
+    rest = (batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    widened = paged_attention_ref(batch.q, k16.float(), v16.float(), *rest)
+    ref = paged_attention_ref(batch.q, k16, v16, *rest)
+    assert ref.dtype == torch.float32 and torch.equal(ref, widened)
+    out = paged_attention(batch.q, k16, v16, *rest)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, widened, atol=1e-4, rtol=1e-4)
+
+
 def test_triton_many_query_tiles_and_long_context(make_paged_batch, device) -> None:
     # A 40-token chunk after 50 tokens of context spans several query tiles
     # and several key tiles; group 4 with 4 kv heads exercises 16 q heads.
@@ -100,7 +121,7 @@ def test_bad_shapes_raise_value_error(make_paged_batch, device, impl) -> None:
     with pytest.raises(ValueError, match="q must be"):
         impl(batch.q[0], batch.kv[0], batch.kv[1], *rest)
     with pytest.raises(ValueError, match="dtypes differ"):
-        impl(batch.q.double(), batch.kv[0], batch.kv[1], *rest)
+        impl(batch.q, batch.kv[0], batch.kv[1].half(), *rest)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         impl(batch.q, batch.kv[0], batch.kv[1], batch.block_tables, batch.seq_lens,
              batch.cu_seqlens_q[:-1], batch.scale)
