@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "half.h"
@@ -44,9 +45,6 @@ namespace {
 
 using conveyor::Half;  // an fp16 K/V element (half.h)
 using conveyor::load8;
-using conveyor::to_float;
-
-inline float to_float(float x) { return x; }
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -100,15 +98,15 @@ inline void scores(const float* const* qrow, const float* kt, float scale, float
 
 // o[0 .. 8W) = alpha o + sum over the first `visible` tokens j of p[j] v_j[0 .. 8W): W vector
 // accumulators of one output row.
-template <int W, class KV>
-inline void pv(float* o, const KV* v, const float* p, int visible, float alpha,
+template <int W>
+inline void pv(float* o, const float* v, const float* p, int visible, float alpha,
                int64_t token_stride) {
   v8 a[W];
   const v8 va = splat(alpha);
   for (int c = 0; c < W; ++c) a[c] = load8(o + 8 * c) * va;
   for (int j = 0; j < visible; ++j) {
     const v8 pj = splat(p[j]);
-    const KV* vj = v + j * token_stride;
+    const float* vj = v + j * token_stride;
     for (int c = 0; c < W; ++c) a[c] += pj * load8(vj + 8 * c);
   }
   for (int c = 0; c < W; ++c) store8(o + 8 * c, a[c]);
@@ -127,11 +125,13 @@ void tile(const float* q, int64_t q_row_stride, const float* kt_h, const KV* v_c
   const int rows = static_cast<int>(i1 - i0) * G;  // row r: query i0 + r / G, head h G + r % G
   const int64_t start = ctx - n;                    // position of query 0
   const int64_t token_stride = static_cast<int64_t>(Hkv) * D;
-  buf.resize(static_cast<size_t>(rows * BS + rows * D + 2 * rows));
+  constexpr bool kWiden = !std::is_same_v<KV, float>;
+  buf.resize(static_cast<size_t>(rows * BS + rows * D + 2 * rows + (kWiden ? BS * D : 0)));
   float* s = buf.data();           // [rows, BS] scores, then probabilities
   float* o = s + rows * BS;        // [rows, D] unnormalised output
   float* m = o + rows * D;         // [rows] running max
   float* l = m + rows;             // [rows] running sum
+  float* vw = l + rows;            // [BS, D] a 16-bit block's V widened (kWiden only)
   std::fill(o, o + rows * D, 0.f);
   std::fill(m, m + rows, kMasked);
   std::fill(l, l + rows, 0.f);
@@ -144,7 +144,21 @@ void tile(const float* q, int64_t q_row_stride, const float* kt_h, const KV* v_c
     const int64_t k0 = b * block_size;
     const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - k0));
     const float* kt = kt_h + b * D * BS;
-    const KV* vb = v_cache + table[b] * block_size * token_stride + static_cast<int64_t>(h) * D;
+    const KV* vh = v_cache + table[b] * block_size * token_stride + static_cast<int64_t>(h) * D;
+    // V rows of the block: fp32 in place, or a 16-bit block widened once here for all the
+    // tile's rows (each row's P V then runs the fp32 code: the same bits as an fp32 cache
+    // holding the widened values)
+    const float* vb;
+    int64_t v_stride;
+    if constexpr (kWiden) {
+      for (int j = 0; j < nt; ++j)
+        for (int d = 0; d < D; d += 8) store8(vw + j * D + d, load8(vh + j * token_stride + d));
+      vb = vw;
+      v_stride = D;
+    } else {
+      vb = vh;
+      v_stride = token_stride;
+    }
     int r = 0;
     if constexpr (kScoreRows == 8)
       for (; r + 8 <= rows; r += 8) scores<D, 8, BS8>(qrow.data() + r, kt, scale, s + r * BS, BS);
@@ -184,9 +198,9 @@ void tile(const float* q, int64_t q_row_stride, const float* kt_h, const KV* v_c
       m[r] = m_new;
       l[r] = l[r] * alpha + sum;
       float* orow = o + r * D;
-      for (int d0 = 0; d0 + 64 <= D; d0 += 64) pv<8>(orow + d0, vb + d0, sr, visible, alpha, token_stride);
+      for (int d0 = 0; d0 + 64 <= D; d0 += 64) pv<8>(orow + d0, vb + d0, sr, visible, alpha, v_stride);
       if constexpr (D % 64 != 0)
-        pv<(D % 64) / 8>(orow + D / 64 * 64, vb + D / 64 * 64, sr, visible, alpha, token_stride);
+        pv<(D % 64) / 8>(orow + D / 64 * 64, vb + D / 64 * 64, sr, visible, alpha, v_stride);
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -215,8 +229,15 @@ void run(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_ca
       const int nt = static_cast<int>(std::min<int64_t>(block_size, ctx - b * block_size));
       const KV* kb = k_cache + table[b] * block_size * token_stride + h * D;
       float* dst = kt.data() + hb * D * BS;
-      for (int j = 0; j < BS; ++j)
-        for (int d = 0; d < D; ++d) dst[d * BS + j] = j < nt ? to_float(kb[j * token_stride + d]) : 0.f;
+      for (int j = 0; j < BS; ++j) {
+        if (j >= nt) {
+          for (int d = 0; d < D; ++d) dst[d * BS + j] = 0.f;
+          continue;
+        }
+        float row[D];  // token j's K, widened 8 at a time from a 16-bit cache
+        for (int d = 0; d < D; d += 8) store8(row + d, load8(kb + j * token_stride + d));
+        for (int d = 0; d < D; ++d) dst[d * BS + j] = row[d];
+      }
     }
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
