@@ -151,7 +151,7 @@ def decode_attention_cpu(
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise ValueError(f"{name} must be int64 on the CPU, got {t.dtype} on {t.device}")
     if cache_d != head_dim or not supports(q.dtype, num_q_heads, num_kv_heads, head_dim,
-                                                 k_cache.dtype):
+                                           k_cache.dtype):
         raise ValueError(f"q {tuple(q.shape)} with caches {tuple(k_cache.shape)}: need the same D "
                          f"in {HEAD_DIMS} and Hq a multiple of Hkv with Hq / Hkv <= {MAX_GQA_GROUP}")
     if q.stride(2) != 1 or q.stride(1) != head_dim:

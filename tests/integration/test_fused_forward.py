@@ -9,10 +9,10 @@ import torch
 
 from kernels import decode_forward_cpu as dfc
 from kernels import quant_linear_cpu as qlc
-from protocol import SamplingParams
 from service.bench.int8_accuracy import greedy, make_runner
-from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.core.scheduler_output import SchedulerOutput
 from service.worker.quantization.plan import BUCKETS
+from tests.integration.decode_steps import forward, prefill
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(
     not qlc.available_isas() or dfc.build_problem() is not None,
@@ -28,39 +28,14 @@ def int4(loaded_model):
     return runner
 
 
-GREEDY = SamplingParams(temperature=0.0)  # the decode steps' inputs are the same every run
-
-
-def _prefill(runner, prompts: list[list[int]]) -> list[ScheduledSequence]:
-    """Prefill each prompt (unfused: a prefill step), return their next decode steps
-    (each fed its prompt's greedy next token)."""
-    decodes, block = [], 0
-    for i, ids in enumerate(prompts):
-        blocks = list(range(block, block + runner.blocks_needed(len(ids) + 4)))
-        block += len(blocks)
-        seq = ScheduledSequence(f"r{i}", ids, 0, blocks, True, GREEDY)
-        tok = runner.execute(SchedulerOutput([seq], len(ids))).sampled[f"r{i}"]
-        decodes.append(ScheduledSequence(f"r{i}", [tok], len(ids), blocks, True, GREEDY))
-    return decodes
-
-
-def _forward(runner, seqs: list[ScheduledSequence], fused: bool):
-    ids, pos, meta, last = runner.prepare_inputs(SchedulerOutput(seqs, len(seqs)))
-    saved, runner.model.fused = runner.model.fused, runner.model.fused if fused else {}
-    try:
-        return runner.model.forward(ids, pos, meta, runner.kv_caches, last)
-    finally:
-        runner.model.fused = saved
-
-
 def test_fused_decode_step_matches_unfused(int4, tokenizer) -> None:
-    decodes = _prefill(int4, [tokenizer.encode(p) for p in PROMPTS])
+    decodes = prefill(int4, [tokenizer.encode(p) for p in PROMPTS])
     before = [kv.clone() for kv in int4.kv_caches]
-    unfused = _forward(int4, decodes, fused=False)
+    unfused = forward(int4, decodes, fused=False)
     kv_unfused = [kv.clone() for kv in int4.kv_caches]
     for kv, b in zip(int4.kv_caches, before):
         kv.copy_(b)
-    fused = _forward(int4, decodes, fused=True)
+    fused = forward(int4, decodes, fused=True)
     assert fused.shape == unfused.shape == (3, int4.vocab_size)
     # Same linear kernels, the small ops in C++ instead of torch: rounding-level differences.
     assert torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), (fused - unfused).abs().max()
@@ -83,7 +58,7 @@ def test_fused_greedy_equals_unfused(loaded_model, int4, tokenizer) -> None:
 
 
 def test_fused_refuses_bad_rows_before_writing(int4, tokenizer) -> None:
-    decodes = _prefill(int4, [tokenizer.encode(PROMPTS[0])])
+    decodes = prefill(int4, [tokenizer.encode(PROMPTS[0])])
     ids, pos, meta, last = int4.prepare_inputs(SchedulerOutput(decodes, 1))
     fused = int4.model.fused[0]
     kd = meta.plan.kernel_decodes
