@@ -36,16 +36,6 @@ inline f8 load8(const Half* p) {
   return v;
 }
 
-inline float to_float(Half x) {
-#if defined(__F16C__)
-  return _cvtsh_ss(x.bits);
-#else
-  _Float16 h;
-  std::memcpy(&h, &x.bits, sizeof(h));
-  return static_cast<float>(h);
-#endif
-}
-
 // dst[0 .. n) = fp16(src[0 .. n)), round to nearest even.
 inline void store_half(Half* dst, const float* src, int64_t n) {
   int64_t i = 0;

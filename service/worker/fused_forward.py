@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import decode_forward_cpu as dfc
+from service.worker.quantization.census import LAYER_CLASSES
 from service.worker.quantization.paths import CppLinear
 from service.worker.quantization.plan import BUCKETS, DispatchLinear, bucket_rows
 
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
-_CLASSES = ("qkv", "o", "gate_up", "down")
 
 
 def _cpp_at(linear: object, bucket: int) -> tuple | None:
@@ -77,7 +77,7 @@ def build_fused_forward(model: LlamaModel, kv_caches: list[torch.Tensor], settin
         return {}, f"off ({why})"
     out: dict[int, dfc.FusedForward] = {}
     for b in buckets:
-        layers = [dfc.FusedLayer(*(_cpp_at(getattr(layer, n), b) for n in _CLASSES),
+        layers = [dfc.FusedLayer(*(_cpp_at(getattr(layer, n), b) for n in LAYER_CLASSES),
                                  ln1=layer.ln1_w, ln2=layer.ln2_w, kv=kv)
                   for layer, kv in zip(model.layers, kv_caches)]
         out[b] = dfc.FusedForward(
