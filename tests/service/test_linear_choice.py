@@ -122,8 +122,22 @@ def test_timings_are_cached_per_machine_but_not_when_busy(_no_disk_cache, monkey
     assert again == [] and plan.choices["qkv"] == ("fast", "fast", "slow", "slow")
     _no_disk_cache.clear()
     monkeypatch.setattr(choice.os, "getloadavg", lambda: (50.0, 50.0, 50.0))
-    choice.choose_plan(LAYERS, paths, "int8", False, timer=_timer([]))
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
+    threads: list[int] = []
+
+    def timer(cls, rows, makers):
+        threads.append(torch.get_num_threads())
+        return {name: _ms(name, rows) for name in makers}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        choice.choose_plan(LAYERS, paths, "int8", False, timer=timer)
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
     assert _no_disk_cache == {}  # timed on a busy machine: not kept
+    assert threads and set(threads) == {1}  # and on one thread (no barrier to wait at)
 
 
 def test_contradictory_timings_are_found_per_path_and_layer() -> None:
@@ -156,8 +170,13 @@ def test_contradictory_timings_never_reach_the_disk_and_are_dropped_from_it(
     def shared_cores(cls, rows, makers):  # "fast" at 1 row hit by a neighbour: 30x
         return {n: (30.0 if n == "fast" and rows == 1 else _ms(n, rows)) for n in makers}
 
+    # a process on one thread cannot time on fewer: it lives with the bad timing
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=shared_cores)
-    assert plan.choices["qkv"][0] == "slow"  # this process lives with the bad timing
+    monkeypatch.undo()
+    monkeypatch.setattr(choice, "_cache_path", lambda: path)
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert plan.choices["qkv"][0] == "slow"
     saved = json.loads(path.read_text())["timings_ms"]
     assert any(k.startswith("slow|") for k in saved)
     assert not any(k.startswith("fast|") for k in saved)
@@ -176,6 +195,36 @@ def test_contradictory_timings_never_reach_the_disk_and_are_dropped_from_it(
     assert {("fast", "qkv", 1), ("fast", "qkv", 16)} <= set(calls)  # that path and layer
     assert ("slow", "qkv", 1) not in calls and ("fast", "down", 1) not in calls
     assert plan.choices["qkv"][:2] == ("fast", "fast")
+
+
+def test_contradictory_timings_are_taken_again_on_one_thread(monkeypatch, tmp_path) -> None:
+    # A neighbour holding a core makes a 2-thread call wait at its barrier: on a busy start
+    # the C++ paths lost to fp32 at one row and a server decoded unfused for its lifetime.
+    monkeypatch.undo()
+    path = tmp_path / "timings.json"
+    monkeypatch.setattr(choice, "_cache_path", lambda: path)
+    monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
+    monkeypatch.setattr(choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    paths = [_fake("slow"), _fake("fast")]
+    seen: list[tuple[str, int, int]] = []
+
+    def neighbour(cls, rows, makers):  # only calls on more than one thread wait
+        n = torch.get_num_threads()
+        seen.extend((name, rows, n) for name in makers)
+        return {m: (30.0 if m == "fast" and rows == 1 and n > 1 else _ms(m, rows))
+                for m in makers}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=neighbour)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert ("fast", 1, 2) in seen and ("fast", 1, 1) in seen
+    assert plan.choices["qkv"][:2] == ("fast", "fast")  # the one-thread timings decide
+    assert not path.exists()  # one-thread timings never go to the disk (key: 2 threads)
+    assert choice._PROCESS_TIMINGS  # this process reuses them
 
 
 def test_bucket_edges_and_dispatch() -> None:

@@ -27,6 +27,7 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -35,7 +36,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -324,76 +325,108 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     cached = _load_cache() if use_cache else {}
     load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
     busy = load > cpus + max(1.0, cpus / 2)  # our own model load counts too
-    timings = dict(cached)
     bound = ERROR_BOUNDS[mode]
     bounds = {p.name: p.bound(mode) for p in usable}
     errors: dict[str, dict[str, tuple[float, float]]] = {}
     saturation: dict[str, dict[str, tuple[float, ...]]] = {}
-    table: dict[str, list[dict[str, float]]] = {}
-    choices: dict[str, tuple[str, ...]] = {}
-    retimed: list[str] = []  # "class NxK at R rows", for the start-up log
+    correct: dict[str, list[LinearPath]] = {}
+    lws: dict[str, LayerWeights] = {}
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
-        lw = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
+        lw = lws[cls] = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
         mine = class_paths(usable, lw, batch_invariant)
         errors[cls] = {p.name: relative_errors(p, lw) for p in mine}
         saturation[cls] = _probe(cls, weight.shape, [p for p in mine if needs_probe(p)],
                                  bound)
         sat = saturation[cls]
-        correct = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]
-                   and min(sat.get(p.name, (0.0,))) <= bound]
-        if not correct:
+        correct[cls] = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]
+                        and min(sat.get(p.name, (0.0,))) <= bound]
+        if not correct[cls]:
             raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
                              f"{cls} {tuple(weight.shape)}: {errors[cls]}; worst-case "
                              f"inputs: {sat}")
-        table[cls], picked = [], []
-        copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
-        for b, rows in enumerate(BUCKETS):
-            if cls == LM_HEAD and b == len(BUCKETS) - 1:  # one row per sampling sequence
-                table[cls].append({})  # not timed: served as the bucket below
-                picked.append(picked[-1])
-                continue
-            err = {n: max(e[0 if rows == 1 else 1], sat[n][b] if n in sat else 0.0)
-                   for n, e in errors[cls].items()}
-            keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
-                             f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|{rows}")
-                    for p in correct if err[p.name] <= bounds[p.name] and rows >= p.min_rows}
-            missing = [p for p in correct if p.name in keys and keys[p.name] not in timings]
-            if missing:
-                x = torch.randn(rows, weight.shape[1])
 
-                def make(p: LinearPath, x: torch.Tensor = x,
-                         lw: LayerWeights = lw) -> list[Callable[[], object]]:
-                    if p.name not in copies:
-                        copies[p.name] = bound_copies(p, lw)
-                    # compute-bound above 16 rows: two copies are enough
-                    fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
-                    return [lambda f=f: f(x) for f in fns]
+    def decide(threads: int) -> tuple[dict[str, float], dict[str, list[dict[str, float]]],
+                                      dict[str, tuple[str, ...]], list[str]]:
+        """(timings, table, choices, retimed) with what is not cached timed at `threads`."""
+        timings = dict(cached)
+        table: dict[str, list[dict[str, float]]] = {}
+        choices: dict[str, tuple[str, ...]] = {}
+        retimed: list[str] = []  # "class NxK at R rows", for the start-up log
+        for cls, lw in lws.items():
+            weight, bias, sat = lw.weight, lw.bias, saturation[cls]
+            table[cls], picked = [], []
+            copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+            for b, rows in enumerate(BUCKETS):
+                if cls == LM_HEAD and b == len(BUCKETS) - 1:  # one row per sampling sequence
+                    table[cls].append({})  # not timed: served as the bucket below
+                    picked.append(picked[-1])
+                    continue
+                err = {n: max(e[0 if rows == 1 else 1], sat[n][b] if n in sat else 0.0)
+                       for n, e in errors[cls].items()}
+                keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
+                                 f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|"
+                                 f"{rows}")
+                        for p in correct[cls] if err[p.name] <= bounds[p.name]
+                        and rows >= p.min_rows}
+                missing = [p for p in correct[cls] if p.name in keys
+                           and keys[p.name] not in timings]
+                if missing:
+                    x = torch.randn(rows, weight.shape[1])
 
-                retimed.append(f"{cls} {weight.shape[0]}x{weight.shape[1]} at {rows} rows")
-                got = (timer or default_timer)(cls, rows, {p.name: functools.partial(make, p)
-                                                           for p in missing})
-                timings.update({keys[p.name]: got[p.name] for p in missing})
-            row = {n: timings[k] for n, k in keys.items()}
-            table[cls].append(row)
-            margins = {n: e - bounds[n] for n, e in err.items()}
-            choice = pick(row, margins, 0.0)
-            assert choice is not None, f"{cls}: a correct path went untimed"
-            if rows <= fused_rows and not choice.startswith("cpp-"):
-                cpp = pick({n: ms for n, ms in row.items() if n.startswith("cpp-")}, margins, 0.0)
-                if cpp is not None and row[cpp] <= FUSION_SLACK * row[choice]:
-                    choice = cpp
-            picked.append(choice)
-        copies.clear()
-        choices[cls] = tuple(picked)
-        del lw
+                    def make(p: LinearPath, x: torch.Tensor = x,
+                             lw: LayerWeights = lw) -> list[Callable[[], object]]:
+                        if p.name not in copies:
+                            copies[p.name] = bound_copies(p, lw)
+                        # compute-bound above 16 rows: two copies are enough
+                        fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
+                        return [lambda f=f: f(x) for f in fns]
+
+                    retimed.append(f"{cls} {weight.shape[0]}x{weight.shape[1]} at {rows} rows")
+                    with _num_threads(threads):
+                        got = (timer or default_timer)(
+                            cls, rows, {p.name: functools.partial(make, p) for p in missing})
+                    timings.update({keys[p.name]: got[p.name] for p in missing})
+                row = {n: timings[k] for n, k in keys.items()}
+                table[cls].append(row)
+                margins = {n: e - bounds[n] for n, e in err.items()}
+                choice = pick(row, margins, 0.0)
+                assert choice is not None, f"{cls}: a correct path went untimed"
+                if rows <= fused_rows and not choice.startswith("cpp-"):
+                    cpp = pick({n: ms for n, ms in row.items() if n.startswith("cpp-")},
+                               margins, 0.0)
+                    if cpp is not None and row[cpp] <= FUSION_SLACK * row[choice]:
+                        choice = cpp
+                picked.append(choice)
+            copies.clear()
+            choices[cls] = tuple(picked)
+        return timings, table, choices, retimed
+
+    threads = torch.get_num_threads()
+    # Busy cores: time on one thread (a call's OpenMP barrier waits for a descheduled
+    # thread, a scheduler quantum, and the multi-threaded C++ kernels lose to fp32 calls
+    # that ATen runs on one thread: `contradictions`). The same when the timings of all
+    # threads contradict themselves. One-thread timings rank the paths as an idle machine's
+    # do (README, Quantized linear layers) and never go to the disk cache.
+    one_thread = threads > 1 and busy
+    timings, table, choices, retimed = decide(1 if one_thread else threads)
+    bad = contradictions({k: v for k, v in timings.items() if k not in cached})
+    if bad and threads > 1 and not one_thread:
+        log.warning("linear kernel timings contradict themselves (%s: a path far slower "
+                    "on fewer rows, or a C++ path far slower than fp32 at one row; other "
+                    "processes shared the cores): timing again on one thread",
+                    ", ".join(sorted(bad)[:4]))
+        one_thread = True
+        timings, table, choices, retimed = decide(1)
+        bad = contradictions({k: v for k, v in timings.items() if k not in cached})
+    lws.clear()  # the packed forms the checks and timings built
     _log_cache_use(use_cache, cached, retimed)
     if use_cache and timings != cached:
-        bad = contradictions(timings)
-        if busy:
+        if busy or one_thread:
             log.warning("the machine was busy while linear kernels were timed (load average "
-                        "%.1f on %d CPUs): the choice may be off, and is not cached on disk "
-                        "(this process reuses it)", load, cpus)
+                        "%.1f on %d CPUs)%s: the choice may be off, and is not cached on disk "
+                        "(this process reuses it)", load, cpus,
+                        ", so they were timed on one thread" if one_thread else "")
             _remember(timings)
         elif bad:
             log.warning("linear kernel timings contradict themselves (%s: a path far slower "
@@ -407,6 +440,19 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     return LinearPlan(mode, batch_invariant, choices, table, errors,
                       {k: v for k, v in problems.items() if v is not None},
                       int4_group=int4_group, saturation=saturation)
+
+
+@contextlib.contextmanager
+def _num_threads(n: int) -> Iterator[None]:
+    """torch's (and so our C++ kernels') intra-op thread count set to `n` for the block."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _log_cache_use(use_cache: bool, cached: Mapping[str, float], retimed: list[str]) -> None:
