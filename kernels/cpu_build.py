@@ -12,6 +12,8 @@ same soname, so torch and the kernels share one OpenMP thread pool.
 
 One source may be built several times with different flags (e.g. an AVX2 and an
 AVX-512 variant, each with explicit ``-m`` flags), each a ``CppKernel`` of its own.
+``ATEN_CPU_CAPABILITY=avx2`` caps the builds and the flags they are chosen by as an AVX2
+CPU's (``isa_cap``).
 """
 
 from __future__ import annotations
@@ -44,18 +46,52 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+CAP_VAR = "ATEN_CPU_CAPABILITY"
+"""torch's own cap on its vector kernels; ``avx2`` there caps our builds too (``isa_cap``)."""
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")   # flag prefixes an AVX2-only CPU lacks
+_AVX2_CAP_FLAGS = ("-mno-avx512f", "-mno-amx-tile", "-mno-avxvnni")
+
+
+def isa_cap() -> str | None:
+    """"avx2" when the environment asks to run as an AVX2-only CPU would
+    (``ATEN_CPU_CAPABILITY=avx2``, as torch reads it), else None.
+
+    Under that cap ``cpu_flags()`` hides the AVX-512, AMX and AVX-VNNI flags (so only the
+    builds an AVX2 CPU runs are chosen: the ``-avx2`` variants) and every build whose
+    ``requires`` names none of them is compiled with ``-mno-avx512f -mno-amx-tile
+    -mno-avxvnni`` after its own flags (``-march=native`` then emits no such code). With
+    ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` as well, the whole
+    process runs the code paths of an AVX2 machine on a newer one (their speed is still that
+    newer core's and bus's). Lower caps ("default", "avx") leave our builds as they are.
+    """
+    return "avx2" if os.environ.get(CAP_VAR, "").strip().lower() == "avx2" else None
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo, e.g. "avx2", "avx512f"); empty when
-    unknown. The kernel lists only what the OS enables (no AVX-512 without its XSAVE state)."""
+    unknown. The kernel lists only what the OS enables (no AVX-512 without its XSAVE state).
+    Under ``isa_cap()`` "avx2", without the flags an AVX2-only CPU lacks. Read once a process."""
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    if isa_cap() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
+    return flags
+
+
+def cap_flags(kernel: CppKernel) -> tuple[str, ...]:
+    """The compile flags `isa_cap()` adds to `kernel`'s own (none without a cap, or for a
+    build that requires an instruction set above the cap: such a build never runs then)."""
+    if isa_cap() != "avx2" or any(r.startswith(_ABOVE_AVX2) for r in kernel.requires):
+        return ()
+    return _AVX2_CAP_FLAGS
 
 
 @dataclass(frozen=True)
@@ -117,7 +153,8 @@ def build(kernel: CppKernel, cxx: str) -> Path:
         source = source_bytes(kernel.source)
     except OSError as e:
         raise KernelBuildError(f"cannot read {kernel.source}: {e}") from e
-    flags = " ".join(kernel.cxx_flags) + " | " + " ".join(LINK_FLAGS)
+    cxx_flags = (*kernel.cxx_flags, *cap_flags(kernel))
+    flags = " ".join(cxx_flags) + " | " + " ".join(LINK_FLAGS)
     key = hashlib.sha256(b"\0".join([source, flags.encode(), version.encode(),
                                      " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
     out_dir = cache_dir()
@@ -135,7 +172,7 @@ def build(kernel: CppKernel, cxx: str) -> Path:
                                "set CONVEYOR_CACHE_DIR to a writable folder") from e
     obj = tmp[:-3] + ".o"
     try:
-        for cmd in ([*compiler, *kernel.cxx_flags, "-c", str(kernel.source), "-o", obj],
+        for cmd in ([*compiler, *cxx_flags, "-c", str(kernel.source), "-o", obj],
                     [*compiler, *LINK_FLAGS, obj, "-o", tmp]):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 
 import pytest
@@ -146,3 +147,45 @@ def test_a_remembered_failure_keeps_no_caller_alive(kernel) -> None:
     gc.collect()
     assert all(r() is None for r in refs)
     assert lib.problem() is not None
+
+
+HAS_AVX512 = ('extern "C" int conveyor_avx512() {\n#ifdef __AVX512F__\n  return 1;\n'
+              '#else\n  return 0;\n#endif\n}\n')
+
+
+@needs_gxx
+def test_an_avx2_cap_hides_the_flags_above_it_and_builds_without_them(tmp_path,
+                                                                      monkeypatch) -> None:
+    # ATEN_CPU_CAPABILITY=avx2 runs the AVX2 code paths on a newer CPU (README: Tests)
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "isa.cpp"
+    src.write_text(HAS_AVX512)
+    native = CppKernel("isa", src, ("-O2", "-march=native", "-fPIC"))
+    wide = CppKernel("isa512", src, ("-O2", "-mavx512f", "-fPIC"),
+                     requires=frozenset({"avx512f"}))
+
+    def avx512_in(kernel: CppKernel) -> int:
+        lib = ctypes.CDLL(str(cpu_build.build(kernel, "g++")))
+        return lib.conveyor_avx512()
+
+    # the environment is set and restored by hand: cpu_flags() is cached per process, and
+    # the cache must be cleared after the variable is back (the suite may run capped)
+    before = os.environ.pop("ATEN_CPU_CAPABILITY", None)
+    cpu_build.cpu_flags.cache_clear()
+    try:
+        real = cpu_build.cpu_flags()
+        assert cpu_build.isa_cap() is None and cpu_build.cap_flags(native) == ()
+        assert avx512_in(native) == int("avx512f" in real)  # -march=native: what the CPU has
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+        cpu_build.cpu_flags.cache_clear()
+        capped = cpu_build.cpu_flags()
+        assert cpu_build.isa_cap() == "avx2"
+        assert capped == {f for f in real if not f.startswith(("avx512", "amx", "avx_vnni"))}
+        assert "-mno-avx512f" in cpu_build.cap_flags(native)
+        assert cpu_build.cap_flags(wide) == () and not wide.runs_here()
+        assert avx512_in(native) == 0  # another build (its own key), without AVX-512
+    finally:
+        os.environ.pop("ATEN_CPU_CAPABILITY", None)
+        if before is not None:
+            os.environ["ATEN_CPU_CAPABILITY"] = before
+        cpu_build.cpu_flags.cache_clear()
