@@ -20,6 +20,8 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
 - Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
   timed over copies of the weight that together exceed the last-level cache (as a step
   streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
+  On busy cores, or when the timings contradict themselves (``contradictions``), on one
+  thread: a two-thread call waits at its barrier for a descheduled thread.
 - Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
   key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
   count; a later start-up on the same machine reuses them.
@@ -410,15 +412,15 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     # do (README, Quantized linear layers) and never go to the disk cache.
     one_thread = threads > 1 and busy
     timings, table, choices, retimed = decide(1 if one_thread else threads)
-    bad = contradictions({k: v for k, v in timings.items() if k not in cached})
-    if bad and threads > 1 and not one_thread:
+    bad = contradictions(timings)
+    if bad - cached.keys() and threads > 1 and not one_thread:  # a new timing is in it
         log.warning("linear kernel timings contradict themselves (%s: a path far slower "
                     "on fewer rows, or a C++ path far slower than fp32 at one row; other "
                     "processes shared the cores): timing again on one thread",
                     ", ".join(sorted(bad)[:4]))
         one_thread = True
         timings, table, choices, retimed = decide(1)
-        bad = contradictions({k: v for k, v in timings.items() if k not in cached})
+        bad = contradictions(timings)
     lws.clear()  # the packed forms the checks and timings built
     _log_cache_use(use_cache, cached, retimed)
     if use_cache and timings != cached:
