@@ -32,3 +32,16 @@ def forward(runner, seqs: list[ScheduledSequence], fused: bool) -> torch.Tensor:
         return runner.model.forward(ids, pos, meta, runner.kv_caches, last)
     finally:
         runner.model.fused = saved
+
+
+def both_forwards(runner, seqs: list[ScheduledSequence], first_fused: bool) -> tuple[
+        list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One step of `seqs` through one forward (fused if `first_fused`), then through the
+    other from the same cache: (the caches before, the first logits [S, V], the caches after
+    the first, the second logits [S, V]). The runner's caches hold the second's K/V after."""
+    before = [kv.clone() for kv in runner.kv_caches]
+    first = forward(runner, seqs, fused=first_fused)
+    after_first = [kv.clone() for kv in runner.kv_caches]
+    for kv, b in zip(runner.kv_caches, before):
+        kv.copy_(b)
+    return before, first, after_first, forward(runner, seqs, fused=not first_fused)

@@ -12,7 +12,7 @@ from kernels import quant_linear_cpu as qlc
 from service.bench.int8_accuracy import greedy, make_runner
 from service.core.scheduler_output import SchedulerOutput
 from service.worker.quantization.plan import BUCKETS
-from tests.integration.decode_steps import forward, prefill
+from tests.integration.decode_steps import both_forwards, prefill
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(
     not qlc.available_isas() or dfc.build_problem() is not None,
@@ -30,12 +30,7 @@ def int4(loaded_model):
 
 def test_fused_decode_step_matches_unfused(int4, tokenizer) -> None:
     decodes = prefill(int4, [tokenizer.encode(p) for p in PROMPTS])
-    before = [kv.clone() for kv in int4.kv_caches]
-    unfused = forward(int4, decodes, fused=False)
-    kv_unfused = [kv.clone() for kv in int4.kv_caches]
-    for kv, b in zip(int4.kv_caches, before):
-        kv.copy_(b)
-    fused = forward(int4, decodes, fused=True)
+    _, unfused, kv_unfused, fused = both_forwards(int4, decodes, first_fused=False)
     assert fused.shape == unfused.shape == (3, int4.vocab_size)
     # Same linear kernels, the small ops in C++ instead of torch: rounding-level differences.
     assert torch.allclose(fused, unfused, rtol=1e-4, atol=1e-4), (fused - unfused).abs().max()

@@ -14,7 +14,7 @@ from service.bench.int8_accuracy import greedy, make_runner
 from service.config import CacheConfig, EngineConfig, ModelConfig
 from service.core.scheduler_output import SchedulerOutput
 from service.worker.model_runner import ModelRunner
-from tests.integration.decode_steps import forward, prefill
+from tests.integration.decode_steps import both_forwards, prefill
 
 pytestmark = pytest.mark.model
 
@@ -53,12 +53,7 @@ def test_fused_and_unfused_store_agreeing_fp16_rows(fp16, tokenizer) -> None:
     assert fp16.model.fused, fp16.fused_decode
     decodes = prefill(fp16, [tokenizer.encode(p) for p in PROMPTS])
     slots = fp16.prepare_inputs(SchedulerOutput(decodes, len(decodes)))[2].slot_mapping
-    before = [kv.clone() for kv in fp16.kv_caches]
-    fused = forward(fp16, decodes, fused=True)
-    kv_fused = [kv.clone() for kv in fp16.kv_caches]
-    for kv, b in zip(fp16.kv_caches, before):
-        kv.copy_(b)
-    unfused = forward(fp16, decodes, fused=False)
+    before, fused, kv_fused, unfused = both_forwards(fp16, decodes, first_fused=True)
     # K/V of the two forwards differ at rounding level (C++ against torch small ops); where
     # that moves an fp16 rounding (one step is 2^-11 relative), the logits move by up to
     # about 1e-2 (8e-3 seen; over an fp32 cache the two agree to 1e-4)
