@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.core.config import (BATCHING_MODES, SCHEDULING_POLICIES, CacheConfig, EngineConfig,
-                                 GiB, ModelConfig, PolicyOptions, SchedulerConfig, _bytes, _check,
-                                 option)
+from service.core.config import (BATCHING_MODES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig,
+                                 EngineConfig, GiB, ModelConfig, PolicyOptions, SchedulerConfig,
+                                 _bytes, _check, option)
 
 
 def _origins(text: str) -> tuple[str, ...]:
     """'http://a:1, https://b' -> ('http://a:1', 'https://b')."""
     return tuple(o.strip() for o in text.split(",") if o.strip())
 
-__all__ = ["BATCHING_MODES", "SCHEDULING_POLICIES", "CacheConfig", "EngineConfig", "GiB",
-           "ModelConfig", "PolicyOptions", "SchedulerConfig", "ServerConfig"]
+__all__ = ["BATCHING_MODES", "KV_CACHE_DTYPES", "SCHEDULING_POLICIES", "CacheConfig",
+           "EngineConfig", "GiB", "ModelConfig", "PolicyOptions", "SchedulerConfig",
+           "ServerConfig"]
 
 
 @dataclass(frozen=True)

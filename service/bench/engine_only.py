@@ -34,7 +34,7 @@ from service.bench.bandwidth import bound_fraction, bound_ms, decode_weight_byte
 from service.bench.cpu_hog import CpuHog
 from service.bench.engine_runs import (SECTIONS, RunStats, Scenario, DecodeRun, PrefillRun,
                                        text_tokens, summarize)
-from service.config import CacheConfig, EngineConfig, ModelConfig
+from service.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
 from service.gc_heap import freeze_startup_heap
 from service.worker.cpu_threads import default_num_threads
 from service.worker.loader import LoadedModel, load_model
@@ -126,7 +126,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
         raise ValueError(f"--cpu-fused-decode values must be distinct among auto, on, off, "
                          f"got {a.cpu_fused_decode!r}")
     kv_dtypes = [d.strip() for d in a.kv_cache_dtype.split(",")]
-    if (any(d not in ("auto", "float32", "float16", "bfloat16") for d in kv_dtypes)
+    if (any(d not in KV_CACHE_DTYPES for d in kv_dtypes)
             or len(set(kv_dtypes)) < len(kv_dtypes)):
         raise ValueError(f"--kv-cache-dtype values must be distinct among auto, float32, "
                          f"float16, bfloat16, got {a.kv_cache_dtype!r}")

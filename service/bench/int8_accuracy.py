@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from protocol import SamplingParams
-from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from service.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig,
+                            SchedulerConfig)
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model_runner import ModelRunner
 from service.llm import LLM
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the --quantization to compare with fp32 (none: dense fp32, with "
                         "--kv-cache-dtype to measure the cache's dtype alone)")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16"],
+                   choices=KV_CACHE_DTYPES,
                    help="the compared runner's KV cache (the fp32 oracle's is float32)")
     p.add_argument("--prompts", type=int, default=20, metavar="N",
                    help="chat prompts whose greedy continuations are compared (default 20)")

@@ -174,6 +174,10 @@ class ModelConfig:
                self.batch_invariant)
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+"""--kv-cache-dtype's values (vLLM's name); auto = the model's dtype."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache.
@@ -222,7 +226,7 @@ class CacheConfig:
         "auto", "K/V cache element type: auto = the model's --dtype; float16 / bfloat16 = "
         "16-bit K/V under any dtype (twice the blocks, half the attention reads; on the CPU "
         "our C++ attention reads float16 and float32, bfloat16 goes through torch SDPA)",
-        choices=("auto", "float32", "float16", "bfloat16"))
+        choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
@@ -238,7 +242,7 @@ class CacheConfig:
                                              and self.kv_disk_path != ""),
                "kv_disk_path", "None or a directory path", self.kv_disk_path)
         _check(self.kv_disk_size >= 1, "kv_disk_size", ">= 1 bytes", self.kv_disk_size)
-        _check(self.kv_cache_dtype in ("auto", "float32", "float16", "bfloat16"),
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                "kv_cache_dtype", "one of auto, float32, float16, bfloat16", self.kv_cache_dtype)
         _check(self.kv_disk_path is None or self.enable_prefix_caching, "kv_disk_path",
                "None unless enable_prefix_caching", self.kv_disk_path)
