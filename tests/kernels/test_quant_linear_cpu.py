@@ -233,9 +233,10 @@ def test_packed_sizes() -> None:
 # (base format, bound on the relative error against the fp32-activation product, extra row
 # counts) per activation-quantizing format: x8's tiles are 4 / 2 / 1 rows; x16's 6 down to 1,
 # in work items of 48 rows, with a strip of unpacked weights from 12 rows (1 row: whole
-# blocks; 2 and 3 rows: half blocks).
+# blocks; 2 and 3 rows: half blocks); x16 on a CPU with AVX512-VNNI: whole-block tiles of 4
+# rows down to 1 below 8 rows, half-block tiles of 6 down to 1 from 8, items of 48 rows.
 ACT_CASES = {**{f: (base, 0.02, [2, 3, 5, 9]) for f, base in ACT8_FORMATS.items()},
-             **{f: (base, 1e-4, [2, 3, 5, 6, 11, 12, 13, 47, 48, 49, 97])
+             **{f: (base, 1e-4, [2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 47, 48, 49, 97])
                 for f, base in ACT16_FORMATS.items()}}
 
 
@@ -260,6 +261,8 @@ def test_act_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -
     assert float((y - exact).norm() / exact.norm()) < bound
     for rows in ROWS + extra_rows:
         assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+        for other in qlc.available_isas():  # e.g. VNNI tiles against AVX2's vpmaddwd ones
+            assert torch.equal(qlc.quant_linear(x[:rows], packed, other), y[:rows])
     assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # q4_1's / q8_0's weights
 
 
