@@ -13,7 +13,7 @@ same soname, so torch and the kernels share one OpenMP thread pool.
 One source may be built several times with different flags (e.g. an AVX2 and an
 AVX-512 variant, each with explicit ``-m`` flags), each a ``CppKernel`` of its own.
 ``ATEN_CPU_CAPABILITY=avx2`` caps the builds and the flags they are chosen by as an AVX2
-CPU's (``isa_cap``).
+CPU's, ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` as an AVX-512 CPU's without VNNI (``isa_cap``).
 """
 
 from __future__ import annotations
@@ -48,30 +48,58 @@ def cache_dir() -> Path:
 
 CAP_VAR = "ATEN_CPU_CAPABILITY"
 """torch's own cap on its vector kernels; ``avx2`` there caps our builds too (``isa_cap``)."""
-_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")   # flag prefixes an AVX2-only CPU lacks
-_AVX2_CAP_FLAGS = ("-mno-avx512f", "-mno-amx-tile", "-mno-avxvnni")
+ONEDNN_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's cap (two spellings); ``AVX512_CORE`` there caps our builds too (``isa_cap``)."""
+_AVX512_CORE = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+_CAP_FLAGS = {
+    "avx2": ("-mno-avx512f", "-mno-amx-tile", "-mno-avxvnni"),
+    "avx512": ("-mno-avx512vnni", "-mno-avx512bf16", "-mno-avx512vbmi", "-mno-avx512vbmi2",
+               "-mno-avx512ifma", "-mno-avx512bitalg", "-mno-avx512vpopcntdq",
+               "-mno-avx512fp16", "-mno-amx-tile", "-mno-avxvnni",
+               "-DCONVEYOR_ISA_CAP_AVX512_CORE"),
+}
 
 
 def isa_cap() -> str | None:
-    """"avx2" when the environment asks to run as an AVX2-only CPU would
-    (``ATEN_CPU_CAPABILITY=avx2``, as torch reads it), else None.
+    """The CPU class the environment asks to run as, or None (the CPU as it is):
 
-    Under that cap ``cpu_flags()`` hides the AVX-512, AMX and AVX-VNNI flags (so only the
-    builds an AVX2 CPU runs are chosen: the ``-avx2`` variants) and every build whose
-    ``requires`` names none of them is compiled with ``-mno-avx512f -mno-amx-tile
-    -mno-avxvnni`` after its own flags (``-march=native`` then emits no such code). With
-    ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` as well, the whole
-    process runs the code paths of an AVX2 machine on a newer one (their speed is still that
-    newer core's and bus's). Lower caps ("default", "avx") leave our builds as they are.
+    - "avx2": an AVX2-only CPU (``ATEN_CPU_CAPABILITY=avx2``, as torch reads it);
+    - "avx512": an AVX-512 CPU without VNNI, BF16 or AMX, i.e. Skylake-SP's AVX-512 F, CD,
+      BW, DQ and VL alone (``ONEDNN_MAX_CPU_ISA`` or ``DNNL_MAX_CPU_ISA`` = ``AVX512_CORE``,
+      oneDNN's name for that class), when there is no avx2 cap.
+
+    Under a cap ``cpu_flags()`` hides the flags that CPU class lacks (AVX-512, AMX and
+    AVX-VNNI for avx2; every AVX-512 extension past F/CD/BW/DQ/VL, AMX and AVX-VNNI for
+    avx512), so only the builds such a CPU runs are chosen, and every build whose
+    ``requires`` names none of them is compiled with ``cap_flags`` after its own flags
+    (``-march=native`` then emits no such code; under avx512 the define
+    ``CONVEYOR_ISA_CAP_AVX512_CORE`` also turns off the kernels' run-time VNNI paths). With
+    torch's and the other libraries' caps as well (``ONEDNN_MAX_CPU_ISA=AVX2``,
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``; for avx512
+    ``ATEN_CPU_CAPABILITY=avx512``, ``FBGEMM_ENABLE_INSTRUCTIONS=AVX512``), the whole process
+    runs the code paths of the older CPU on a newer one (their speed is still that newer
+    core's and bus's). Lower caps ("default", "avx") leave our builds as they are.
     """
-    return "avx2" if os.environ.get(CAP_VAR, "").strip().lower() == "avx2" else None
+    if os.environ.get(CAP_VAR, "").strip().lower() == "avx2":
+        return "avx2"
+    onednn = next((os.environ[v] for v in ONEDNN_CAP_VARS if os.environ.get(v)), "")
+    return "avx512" if onednn.strip().upper() == "AVX512_CORE" else None
+
+
+def _above_cap(flag: str, cap: str | None) -> bool:
+    """Whether a CPU of the class `cap` lacks the CPU flag `flag` (never without a cap)."""
+    if cap is None:
+        return False
+    if flag.startswith(("amx", "avx_vnni")):
+        return True
+    return flag.startswith("avx512") and (cap == "avx2" or flag not in _AVX512_CORE)
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo, e.g. "avx2", "avx512f"); empty when
     unknown. The kernel lists only what the OS enables (no AVX-512 without its XSAVE state).
-    Under ``isa_cap()`` "avx2", without the flags an AVX2-only CPU lacks. Read once a process."""
+    Under ``isa_cap()``, without the flags that CPU class lacks. Read once a process."""
     flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo") as f:
@@ -81,17 +109,17 @@ def cpu_flags() -> frozenset[str]:
                     break
     except OSError:
         pass
-    if isa_cap() == "avx2":
-        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
-    return flags
+    cap = isa_cap()
+    return frozenset(f for f in flags if not _above_cap(f, cap))
 
 
 def cap_flags(kernel: CppKernel) -> tuple[str, ...]:
     """The compile flags `isa_cap()` adds to `kernel`'s own (none without a cap, or for a
     build that requires an instruction set above the cap: such a build never runs then)."""
-    if isa_cap() != "avx2" or any(r.startswith(_ABOVE_AVX2) for r in kernel.requires):
+    cap = isa_cap()
+    if cap is None or any(_above_cap(r, cap) for r in kernel.requires):
         return ()
-    return _AVX2_CAP_FLAGS
+    return _CAP_FLAGS[cap]
 
 
 @dataclass(frozen=True)

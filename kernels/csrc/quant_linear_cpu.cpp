@@ -882,11 +882,15 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
 // VNNI is not part of the build's flags (AVX-512 F/BW/VL/DQ): this kernel is compiled for it
 // alone and run where the CPU has it.
 inline bool cpu_has_avx512_vnni() {
+#if defined(CONVEYOR_ISA_CAP_AVX512_CORE)
+  return false;  // built to run as an AVX-512 CPU without VNNI (kernels/cpu_build.py: isa_cap)
+#else
   static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") != 0;
   }();
   return has;
+#endif
 }
 
 // Row 0's qx as the vpdpbusd operands of each 8 k: words[4 t .. 4 t + 3] = the high bytes of

@@ -169,8 +169,8 @@ def test_an_avx2_cap_hides_the_flags_above_it_and_builds_without_them(tmp_path,
         return lib.conveyor_avx512()
 
     # the environment is set and restored by hand: cpu_flags() is cached per process, and
-    # the cache must be cleared after the variable is back (the suite may run capped)
-    before = os.environ.pop("ATEN_CPU_CAPABILITY", None)
+    # the cache must be cleared after the variables are back (the suite may run capped)
+    saved = {v: os.environ.pop(v, None) for v in ("ATEN_CPU_CAPABILITY", *cpu_build.ONEDNN_CAP_VARS)}
     cpu_build.cpu_flags.cache_clear()
     try:
         real = cpu_build.cpu_flags()
@@ -185,7 +185,64 @@ def test_an_avx2_cap_hides_the_flags_above_it_and_builds_without_them(tmp_path,
         assert cpu_build.cap_flags(wide) == () and not wide.runs_here()
         assert avx512_in(native) == 0  # another build (its own key), without AVX-512
     finally:
-        os.environ.pop("ATEN_CPU_CAPABILITY", None)
-        if before is not None:
-            os.environ["ATEN_CPU_CAPABILITY"] = before
+        for var, value in saved.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
+        cpu_build.cpu_flags.cache_clear()
+
+
+HAS_VNNI = ('extern "C" int conveyor_vnni() {\n#if defined(__AVX512VNNI__)\n  return 1;\n'
+            '#elif defined(CONVEYOR_ISA_CAP_AVX512_CORE)\n  return -1;\n#else\n  return 0;\n'
+            '#endif\n}\n')
+
+
+@needs_gxx
+def test_an_avx512_core_cap_hides_vnni_bf16_and_amx_and_builds_without_them(
+        tmp_path, monkeypatch) -> None:
+    # ONEDNN_MAX_CPU_ISA=AVX512_CORE runs an AVX-512 CPU's code paths without VNNI, as on a
+    # Skylake-SP (README: Tests)
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "vnni.cpp"
+    src.write_text(HAS_VNNI)
+    native = CppKernel("vnni", src, ("-O2", "-march=native", "-fPIC"))
+    core = CppKernel("core", src, ("-O2", "-mavx512f", "-fPIC"),
+                     requires=frozenset({"avx512f", "avx512bw"}))
+    vnni = CppKernel("vnni512", src, ("-O2", "-mavx512f", "-mavx512vnni", "-fPIC"),
+                     requires=frozenset({"avx512f", "avx512_vnni"}))
+
+    def vnni_in(kernel: CppKernel) -> int:
+        return ctypes.CDLL(str(cpu_build.build(kernel, "g++"))).conveyor_vnni()
+
+    saved = {v: os.environ.pop(v, None) for v in ("ATEN_CPU_CAPABILITY", *cpu_build.ONEDNN_CAP_VARS)}
+    cpu_build.cpu_flags.cache_clear()
+    try:
+        real = cpu_build.cpu_flags()
+        assert cpu_build.isa_cap() is None
+        assert vnni_in(native) == int("avx512_vnni" in real)
+        for var in cpu_build.ONEDNN_CAP_VARS:  # either spelling, any case
+            os.environ[var] = "avx512_core"
+            cpu_build.cpu_flags.cache_clear()
+            assert cpu_build.isa_cap() == "avx512"
+            os.environ.pop(var)
+        os.environ["DNNL_MAX_CPU_ISA"] = "AVX512_CORE"
+        cpu_build.cpu_flags.cache_clear()
+        capped = cpu_build.cpu_flags()
+        kept = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+        assert capped == {f for f in real if not (f.startswith(("amx", "avx_vnni")) or
+                                                 (f.startswith("avx512") and f not in kept))}
+        assert {"avx2", "fma"} & real <= capped
+        assert "-mno-avx512vnni" in cpu_build.cap_flags(native)
+        assert "-DCONVEYOR_ISA_CAP_AVX512_CORE" in cpu_build.cap_flags(core)
+        assert cpu_build.cap_flags(vnni) == () and not vnni.runs_here()
+        assert vnni_in(native) == -1  # another build (its own key): no VNNI, the cap defined
+        os.environ["ATEN_CPU_CAPABILITY"] = "avx2"  # the lower cap wins
+        cpu_build.cpu_flags.cache_clear()
+        assert cpu_build.isa_cap() == "avx2"
+        assert not any(f.startswith("avx512") for f in cpu_build.cpu_flags())
+    finally:
+        for var, value in saved.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
         cpu_build.cpu_flags.cache_clear()
