@@ -51,12 +51,13 @@ CAP_VAR = "ATEN_CPU_CAPABILITY"
 ONEDNN_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 """oneDNN's cap (two spellings); ``AVX512_CORE`` there caps our builds too (``isa_cap``)."""
 _AVX512_CORE = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+# The flags a cap adds (GCC 11 knows them all; -mno-avx512fp16 would need GCC 12, and only
+# _Float16 arithmetic, which our kernels do without F16C alone, could emit AVX512-FP16).
 _CAP_FLAGS = {
     "avx2": ("-mno-avx512f", "-mno-amx-tile", "-mno-avxvnni"),
     "avx512": ("-mno-avx512vnni", "-mno-avx512bf16", "-mno-avx512vbmi", "-mno-avx512vbmi2",
                "-mno-avx512ifma", "-mno-avx512bitalg", "-mno-avx512vpopcntdq",
-               "-mno-avx512fp16", "-mno-amx-tile", "-mno-avxvnni",
-               "-DCONVEYOR_ISA_CAP_AVX512_CORE"),
+               "-mno-amx-tile", "-mno-avxvnni", "-DCONVEYOR_ISA_CAP_AVX512_CORE"),
 }
 
 
