@@ -761,6 +761,21 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
 // 1.6-1.7 ms.
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
+// Prefetches the weight line(s) of k pair k of the block holding panel p0 (one 64-byte line
+// for q4_1, two for q8_0), kGemvPrefetchBytes ahead: the few-row layouts of tile16 and
+// tile_vnni.
+template <int Fmt>
+inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
+  if constexpr (Fmt == kQ41) {
+    __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
+                       kGemvPrefetchBytes);
+  } else {
+    const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) + kGemvPrefetchBytes / 2;
+    __builtin_prefetch(pw);
+    __builtin_prefetch(pw + 64);
+  }
+}
+
 // Rows m0 .. m0+R-1 of panels p0 .. p0+C-1: every group's integer sums, the float steps,
 // the bias. The weight pairs come from `strip` ([K / 2][2] vectors: channels 0-7 and 8-15,
 // pair_weights16's lo and hi put in channel order; C = 1 only) when given.
@@ -778,17 +793,8 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       for (int c = 0; c < C; ++c) s[r][c][0] = s[r][c][1] = _mm256_setzero_si256();
     const int64_t k1 = (g + 1) * pb.group;
     for (int64_t k = g * pb.group; k < k1; k += 2) {
-      if constexpr (C > 1) {  // the few-row layouts (never a strip): see kGemvPrefetchBytes
-        if constexpr (Fmt == 3) {
-          __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
-                             kGemvPrefetchBytes);
-        } else {
-          const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) +
-                           kGemvPrefetchBytes / 2;
-          __builtin_prefetch(pw);
-          __builtin_prefetch(pw + 64);
-        }
-      }
+      if constexpr (C > 1)  // the few-row layouts (never a strip): see kGemvPrefetchBytes
+        prefetch_ahead<Fmt>(pb, p0, k);
       for (int c = 0; c < C; ++c) {
         __m256i lo, hi;
         if (strip != nullptr) {
@@ -1020,17 +1026,7 @@ __attribute__((target("avx512vnni"))) void tile_vnni(const Problem& pb, const Ac
       for (int c = 0; c < C; ++c) s[r][c] = _mm512_setzero_si512();
     const int64_t k1 = (g + 1) * pb.group;
     for (int64_t k = g * pb.group; k < k1; k += 2) {
-      if constexpr (C == 4) {
-        if constexpr (Fmt == kQ41) {
-          __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
-                             kGemvPrefetchBytes);
-        } else {
-          const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) +
-                           kGemvPrefetchBytes / 2;
-          __builtin_prefetch(pw);
-          __builtin_prefetch(pw + 64);
-        }
-      }
+      if constexpr (C == 4) prefetch_ahead<Fmt>(pb, p0, k);
       __m512i w[C];
       for (int c = 0; c < C; ++c) w[c] = pair_weights_vnni<Fmt>(pb, p0 + c, k);
       for (int r = 0; r < R; ++r) {
