@@ -268,6 +268,12 @@ class Usage(Struct, kw_only=True, gc=False):
     cached_tokens: int = 0
     disk_cached_tokens: int | UnsetType = UNSET
 
+    def __repr__(self) -> str:  # without the absent disk_cached_tokens (never "UNSET")
+        fields = ["prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"]
+        if self.disk_cached_tokens is not UNSET:
+            fields.append("disk_cached_tokens")
+        return f"Usage({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
+
 
 class Timings(Struct, kw_only=True, gc=False):
     """Server-side timings of a finished request, in milliseconds.

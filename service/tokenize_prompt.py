@@ -88,10 +88,10 @@ class PromptTokenizer:
                    request_id: str | None) -> None:
         """Raise ContextLengthExceeded when even `min_tokens` + max_tokens cannot fit."""
         if min_tokens + max_tokens > max_model_len:
+            prompt = f"prompt (at least {min_tokens} tokens) + " if min_tokens else ""
             raise ContextLengthExceeded(
-                f"prompt (at least {min_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"the context ({max_model_len})", param="$.params.max_tokens",
-                request_id=request_id)
+                f"{prompt}max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
+                param="$.params.max_tokens", request_id=request_id)
 
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,

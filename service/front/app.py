@@ -33,6 +33,7 @@ from service.config import ServerConfig
 from service.connection import Connection
 from service.engine_client import EngineClient
 from service.front.guard import WWW_AUTHENTICATE, refusal
+from service.front.openai.errors import OpenAIError
 from service.front.openai.routes import OpenAIRoutes
 from service.front.sockets import SocketRoutes
 from service.responses import ResponsesConnection
@@ -83,7 +84,13 @@ def build_app(engine: EngineClient, config: ServerConfig,
                                                 headers={"Cache-Control": "no-cache"})
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return JSONResponse({"error": f"no route {request.url.path}"}, 404)
+        return OpenAIError(404, f"no route {request.url.path}", code="not_found").response()
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        response = OpenAIError(405, f"{request.method} is not allowed on {request.url.path}",
+                               code="method_not_allowed").response()
+        response.headers.update(getattr(exc, "headers", None) or {})  # Allow: the methods
+        return response
 
     async def stream(ws: WebSocket) -> None:
         await sockets.serve(ws, Connection)
@@ -95,5 +102,5 @@ def build_app(engine: EngineClient, config: ServerConfig,
               Route("/", chat_page), Route("/index.html", chat_page),
               WebSocketRoute(STREAM_PATH, stream), WebSocketRoute(RESPONSES_PATH, responses),
               *openai.routes()]
-    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
     return Front(app, sockets, openai)

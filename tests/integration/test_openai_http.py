@@ -267,6 +267,16 @@ def test_bad_completion_fields_and_http_errors(server):
     assert r.status_code == 413 and r.json()["error"]["param"] is None
     r = httpx.post(url + "/chat/completions", headers=auth, content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url + "/nope", headers=auth, json={})  # OpenAI's body for routing errors too
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(url + "/chat/completions", headers=auth)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in r.headers["allow"]
+    r = httpx.post(url + "/chat/completions", headers=auth,
+                   json={"messages": QUESTION, "max_tokens": 2**31 - 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "at least 0 tokens" not in r.json()["error"]["message"], r.text
     metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers=auth).text
     assert 'conveyor:http_requests_total{model_name="SmolLM2-135M-Instruct",' \
            'route="/v1/chat/completions",status="400"}' in metrics

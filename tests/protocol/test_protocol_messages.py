@@ -231,3 +231,13 @@ def test_disk_cached_tokens_is_sent_only_by_a_server_with_a_disk_tier() -> None:
                    disk_cached_tokens=0)
     assert json.loads(encode(tiered))["disk_cached_tokens"] == 0
     assert msgspec.json.decode(encode(plain), type=Usage).disk_cached_tokens is msgspec.UNSET
+
+
+def test_usage_repr_leaves_out_an_absent_disk_count() -> None:
+    """A Done printed by a client shows the counts, never msgspec's UNSET placeholder."""
+    plain = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7)
+    assert repr(plain) == "Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7, cached_tokens=0)"
+    tiered = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7, cached_tokens=4,
+                   disk_cached_tokens=0)
+    assert repr(tiered).endswith("cached_tokens=4, disk_cached_tokens=0)")
+    assert "UNSET" not in str(plain)

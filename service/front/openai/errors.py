@@ -8,7 +8,8 @@
 | 400 | invalid_request_error | a bad value, an unknown or unsupported field (`param` names it), a prompt over the context (`context_length_exceeded`) |
 | 401 | authentication_error | a missing or wrong API key |
 | 403 | permission_error | a browser Origin that is not allowed |
-| 404 | invalid_request_error | another model than the served one (`model_not_found`), no such route |
+| 404 | invalid_request_error | another model than the served one (`model_not_found`), no such route (`not_found`) |
+| 405 | invalid_request_error | a method the route does not take (`method_not_allowed`, with Allow) |
 | 413 | invalid_request_error | a body over `max_message_bytes` |
 | 429 | rate_limit_error | the admission queue is full (`overloaded`), with Retry-After (s) |
 | 503 | service_unavailable | shutting down, with Retry-After |
@@ -27,7 +28,8 @@ from starlette.responses import JSONResponse
 from protocol import Error, Overloaded, ProtocolError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable", 500: "server_error"}
 _STATUS = {"invalid_request": 400, "duplicate_id": 400, "context_length_exceeded": 400,
            "overloaded": 429, "too_many_requests": 429, "shutting_down": 503,
