@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from service.worker.gguf_parse import shared_gguf_parse
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -110,14 +112,16 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
     path = path or default_model_path()
     folder, kw = _source(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {config.model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kw)
+    with shared_gguf_parse():  # a GGUF file parsed once for the three (gguf_parse.py)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{path}: model_type {config.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                  config=config, **kw)
     rotary = hf.model.rotary_emb
     if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")

@@ -23,6 +23,7 @@ from service.worker.loader import LoadedModel, load_model
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
 from service.worker.weight_pages import packed_weights_on_huge_pages
+from service.worker.gguf_parse import shared_gguf_parse
 from service.worker.huge_pages import zeros_on_huge_pages
 from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
@@ -81,7 +82,14 @@ class ModelRunner:
         self.batch_invariant = mc.batch_invariant
         if decode_setting == "cpp" and self.device.type == "cpu":
             check_decode_kernel_builds()  # before the model load: fail in a second, not in 20
-        self.loaded = loaded or load_model(mc.model, self.dtype)
+        # auto serves the checkpoint's own weights on the CPU in fp32; elsewhere it is dense
+        self.quantization = mc.quantization if mc.quantization != "auto" or (
+            self.device.type == "cpu" and self.dtype == torch.float32) else None
+        with shared_gguf_parse():  # a GGUF file parsed once for transformers and our blocks
+            self.loaded = loaded or load_model(mc.model, self.dtype)
+            # a caller's LoadedModel may serve more runners: keep its blocks on it
+            gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
+                if self.quantization in ("auto", "auto-a8") else None
         cfg = self.loaded.hf_config
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -97,9 +105,6 @@ class ModelRunner:
         self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
         self.tokenizer = self.loaded.tokenizer
         self.vocab = self.model.vocab_size
-        # auto serves the checkpoint's own weights on the CPU in fp32; elsewhere it is dense
-        self.quantization = mc.quantization if mc.quantization != "auto" or (
-            self.device.type == "cpu" and self.dtype == torch.float32) else None
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         self.block_size = cc.block_size
         model_len = self.model.max_position
@@ -117,9 +122,6 @@ class ModelRunner:
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
         if self.quantization is not None or mc.batch_invariant:
-            # a caller's LoadedModel may serve more runners: keep its blocks on it
-            gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
-                if self.quantization in ("auto", "auto-a8") else None
             # Decode-sized buckets (up to 16 rows) lean to the C++ kernels that the fused
             # forward can call, where it will run.
             fusing = (self.device.type == "cpu" and self.decode_kernel == "cpp"
@@ -127,10 +129,10 @@ class ModelRunner:
             self.linear_plan = apply_linear_plan(self.model, self.quantization or "none",
                                                  mc.batch_invariant, self.calibrate, gguf,
                                                  fused_rows=16 if fusing else 0)
-            del gguf
             if self.device.type == "cpu":  # before the fused forward keeps their addresses
                 moved = packed_weights_on_huge_pages(self.model)
                 log.debug("decode-bucket packed weights on huge pages: %.1f MB", moved / 1e6)
+        del gguf  # the blocks' unpacked values: not held once packed
         # Decode steps (every step when batch-invariant) as one native call where the
         # linear plan put C++ kernels on every layer.
         self.model.fused, self.fused_decode = build_fused_forward(
