@@ -1099,9 +1099,9 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
 // vectors, each unpacked weight vector serving 6 rows (R = 6 with 4 panels spilled its 24
 // sums: about 1.5x slower; 8 x 2, 12 x 1 and 3 x 4 measured within a few percent of these).
 // Measured on Zen 4 (2 threads, a step's 120 q4_1 layers streamed from memory, then the
-// [49152 x 576] q8_0 LM head; this build against tile16's in one process, alternating):
-// layers 1.21x faster at 2 rows, 1.47x at 4, 1.35x at 8 and 10, 1.21x at 16, 1.20x at 64;
-// the LM head 1.33-1.74x at 2 to 16 rows. On that core a zmm vpdpwssd retires about one
+// [49152 x 576] q8_0 LM head; this build against tile16's in one process, alternating;
+// docs/perf/2026-12-05/vnni-tiles-s24): layers 1.19x faster at 2 rows, 1.39x at 4,
+// 1.37-1.39x at 8 and 10, 1.27x at 16, 1.22x at 64; the LM head 1.24-1.67x at 2 to 64 rows. On that core a zmm vpdpwssd retires about one
 // every two cycles (16 multiply-adds a cycle, as tile16's 256-bit vpmaddwd): the gain is
 // the instructions around the multiplies, not the multiplies.
 constexpr int64_t kVnniFewRows = 8;
