@@ -1038,12 +1038,9 @@ __attribute__((target("avx512vnni"))) void tile_vnni(const Problem& pb, const Ac
     }
     for (int c = 0; c < C; ++c) {  // tile16's float steps, lane for lane
       const int64_t off = at(p0 + c, pb.groups, g);
-      const __m512 d = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pb.scale) + off)));
+      const __m512 d = load_scale<Fmt>(pb.scale, off).v;
       __m512 mn = _mm512_setzero_ps();
-      if constexpr (Fmt == kQ41)
-        mn = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(pb.minv) + off)));
+      if constexpr (Fmt == kQ41) mn = load_scale<Fmt>(pb.minv, off).v;
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
         const __m512 vdx = _mm512_set1_ps(a.d[m * pb.groups + g]);
@@ -1068,8 +1065,7 @@ __attribute__((target("avx512vnni"))) void tile_vnni(const Problem& pb, const Ac
   }
 }
 
-// Rows m0 .. m1 - 1 of panels p0 .. p1 - 1: for each group of C panels, tiles of R rows (the
-// last one fewer).
+// The last tile of rows_vnni: `left` (below R) rows from m, as one tile of that many.
 template <int Fmt, int R, int C>
 __attribute__((target("avx512vnni"))) void rows_vnni_tail(const Problem& pb, const Act16& a,
                                                           int64_t p, int64_t m, int64_t left) {
@@ -1082,6 +1078,8 @@ __attribute__((target("avx512vnni"))) void rows_vnni_tail(const Problem& pb, con
   }
 }
 
+// Rows m0 .. m1 - 1 of panels p0 .. p1 - 1: for each group of C panels, tiles of R rows (the
+// last one fewer).
 template <int Fmt, int R, int C>
 __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Act16& a,
                                                      int64_t p0, int64_t p1, int64_t m0,
@@ -1101,9 +1099,10 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
 // Measured on Zen 4 (2 threads, a step's 120 q4_1 layers streamed from memory, then the
 // [49152 x 576] q8_0 LM head; this build against tile16's in one process, alternating;
 // docs/perf/2026-12-05/vnni-tiles-s24): layers 1.19x faster at 2 rows, 1.39x at 4,
-// 1.37-1.39x at 8 and 10, 1.27x at 16, 1.22x at 64; the LM head 1.24-1.67x at 2 to 64 rows. On that core a zmm vpdpwssd retires about one
-// every two cycles (16 multiply-adds a cycle, as tile16's 256-bit vpmaddwd): the gain is
-// the instructions around the multiplies, not the multiplies.
+// 1.37-1.39x at 8 and 10, 1.27x at 16, 1.22x at 64; the LM head 1.24-1.67x at 2 to 64
+// rows. On that core a zmm vpdpwssd retires about one every two cycles (16 multiply-adds a
+// cycle, as tile16's 256-bit vpmaddwd): the gain is the instructions around the multiplies,
+// not the multiplies.
 constexpr int64_t kVnniFewRows = 8;
 
 // Rows per work item of the VNNI path: a work item is a block (below kVnniFewRows rows) or
@@ -1131,9 +1130,6 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
   }
 }
 
-// Whether a call takes the VNNI tiles: every act16 call on a CPU with VNNI but the one-row
-// q4_1 ones that gemv_q41_vnni_block serves.
-inline bool use_vnni_tiles() { return cpu_has_avx512_vnni(); }
 #endif
 
 // From this many rows in a work item on, its panel's weight pairs are unpacked once into a
@@ -1199,7 +1195,7 @@ void run_act16(const Problem& pb, int num_threads) {
     for (int64_t b = 0; b < blocks; ++b) gemv_q41_vnni_block(pb, a, words.data(), b);
     return;
   }
-  if (use_vnni_tiles()) {
+  if (cpu_has_avx512_vnni()) {  // every other act16 call: the VNNI tiles
     run_vnni<Fmt>(pb, a, num_threads);
     return;
   }
