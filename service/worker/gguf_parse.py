@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from typing import Any
 
 _depth = 0
-_saved: dict[str, Any] = {}
 _readers: dict[tuple[str, str], Any] = {}
 _name_maps: dict[tuple[Any, int], Any] = {}
 
@@ -42,9 +41,9 @@ def shared_gguf_parse() -> Iterator[None]:
     except ImportError:
         yield
         return
-    if _depth == 0:
-        _saved.update(GGUFReader=gguf.GGUFReader, get_tensor_name_map=gguf.get_tensor_name_map)
-        reader_cls, name_map_fn = _saved["GGUFReader"], _saved["get_tensor_name_map"]
+    outermost = _depth == 0  # it patches and, leaving last, restores
+    if outermost:
+        reader_cls, name_map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
 
         def reader(path: Any, mode: str = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
@@ -57,16 +56,14 @@ def shared_gguf_parse() -> Iterator[None]:
                 _name_maps[(arch, n_blocks)] = name_map_fn(arch, n_blocks)
             return _name_maps[(arch, n_blocks)]
 
-        gguf.GGUFReader = reader
-        gguf.get_tensor_name_map = name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
-        if _depth == 0:
-            gguf.GGUFReader = _saved.pop("GGUFReader")
-            gguf.get_tensor_name_map = _saved.pop("get_tensor_name_map")
+        if outermost:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map_fn
             _readers.clear()
             _name_maps.clear()
 
