@@ -128,8 +128,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
     kv_dtypes = [d.strip() for d in a.kv_cache_dtype.split(",")]
     if (any(d not in KV_CACHE_DTYPES for d in kv_dtypes)
             or len(set(kv_dtypes)) < len(kv_dtypes)):
-        raise ValueError(f"--kv-cache-dtype values must be distinct among auto, float32, "
-                         f"float16, bfloat16, got {a.kv_cache_dtype!r}")
+        raise ValueError(f"--kv-cache-dtype values must be distinct among "
+                         f"{', '.join(KV_CACHE_DTYPES)}, got {a.kv_cache_dtype!r}")
     models = [(q, k, b == "on", f, d) for q in quants for k in kernels for b in invariant
               for f in fused for d in kv_dtypes]
     threads: list[int | str] = [default_num_threads()]

@@ -243,7 +243,7 @@ class CacheConfig:
                "kv_disk_path", "None or a directory path", self.kv_disk_path)
         _check(self.kv_disk_size >= 1, "kv_disk_size", ">= 1 bytes", self.kv_disk_size)
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
-               "kv_cache_dtype", "one of auto, float32, float16, bfloat16", self.kv_cache_dtype)
+               "kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         _check(self.kv_disk_path is None or self.enable_prefix_caching, "kv_disk_path",
                "None unless enable_prefix_caching", self.kv_disk_path)
 
