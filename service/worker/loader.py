@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from service.worker.gguf_parse import shared_gguf_parse
+from service.worker.load_progress import quiet_progress_bars
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +113,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
     path = path or default_model_path()
     folder, kw = _source(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with shared_gguf_parse():  # a GGUF file parsed once for the three (gguf_parse.py)
+    # a GGUF file parsed once for the three (gguf_parse.py); no tqdm redraws in a log file
+    with shared_gguf_parse(), quiet_progress_bars():
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

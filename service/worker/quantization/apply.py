@@ -96,15 +96,16 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
                        batch_invariant, natives=first, fused_rows=fused_rows)
     plan = dataclasses.replace(plan, natives=natives)
-    log.info("%s\n  (%s)", plan.table(), machine_note())
+    # the whole timing table is a few KB: --log-level debug shows it, info the summary below
+    log.debug("%s\n  (%s)", plan.table(), machine_note())
     if mode == "int8" and plan.all_fp32():
         log.warning("--quantization int8: no int8 kernel beats fp32 on this CPU (%s); "
                     "serving fp32", machine_note())
     smooth = plan.smoothed_classes()
     observed = calibrate() if smooth else None
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
-    log.info("linear layers: %s (SmoothQuant on %s)", plan.summary(),
-             ", ".join(sorted(smooth)) or "none")
+    log.info("linear layers: %s (SmoothQuant on %s; %s)", plan.summary(),
+             ", ".join(sorted(smooth)) or "none", machine_note())
     if mode in ("auto", "auto-a8"):
         log.info(f"quantization {mode}: one-row calls (decode) read %s",
                  served_formats(model, natives))
