@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, entry_name, entry_names
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
@@ -34,15 +35,10 @@ __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "decode_
            "entry_point", "kernel_available", "kernel_error", "load_kernel", "supports"]
 
 
-KV_DTYPES = (torch.float32, torch.float16)
-"""Cache dtypes the kernel reads (fp16 widened to fp32 as it is loaded; q and out stay fp32)."""
-_ENTRY = {torch.float32: "conveyor_decode_attention_f32",
-          torch.float16: "conveyor_decode_attention_f16kv"}
-
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in _ENTRY.values():
+    for name in entry_names("conveyor_decode_attention"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
                        ctypes.c_float, i32]
@@ -90,9 +86,7 @@ def entry_point(kv_dtype: torch.dtype) -> ctypes._CFuncPtr:
     Raises:
         ValueError: a dtype outside KV_DTYPES. KernelBuildError: the library does not build.
     """
-    if kv_dtype not in _ENTRY:
-        raise ValueError(f"no decode attention kernel for a {kv_dtype} cache; have {KV_DTYPES}")
-    return getattr(load_kernel(), _ENTRY[kv_dtype])
+    return getattr(load_kernel(), entry_name("conveyor_decode_attention", kv_dtype))
 
 
 def decode_attention_cpu(
@@ -114,8 +108,8 @@ def decode_attention_cpu(
     Args:
         q: [T, Hq, D] float32 on the CPU; D and Hq * D contiguous per row (a row view
             of a fused projection is fine).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or float16 (KV_DTYPES),
-            one dtype, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32, float16 or bfloat16
+            (KV_DTYPES), one dtype, contiguous.
         block_tables: [n, max_blocks] int64, unit stride in the last dim; row i holds
             at least ceil(seq_lens[i] / block_size) valid block ids.
         seq_lens: [n] int64 contiguous, each >= 1 (context including this token).
@@ -140,13 +134,7 @@ def decode_attention_cpu(
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     _, block_size, num_kv_heads, cache_d = k_cache.shape
     n = rows.shape[0]
-    for name, t in (("q", q), ("out", out)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu":
-            raise ValueError(f"{name} must be one of {KV_DTYPES} on the CPU (both caches "
-                             f"alike), got {t.dtype} on {t.device}")
+    check_dtypes(q, out, k_cache, v_cache)
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("rows", rows)):
         if t.dtype != torch.int64 or t.device.type != "cpu":
             raise ValueError(f"{name} must be int64 on the CPU, got {t.dtype} on {t.device}")

@@ -43,7 +43,7 @@ overflowing exp is not a clean inf, so SiLU clamps its argument (silu_mul_row). 
 no value for NaN or infinity, and a NaN still propagates through the arithmetic to the
 logits, where the sampler's checks (built without -ffast-math) fail the row."""
 
-__all__ = ["FusedForward", "FusedLayer", "KernelBuildError", "LIBRARY", "build_problem"]
+__all__ = ["FusedForward", "FusedLayer", "KernelBuildError", "LIBRARY", "build_problem", "narrow_kv"]
 
 _i64, _p, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -52,6 +52,10 @@ class _Linear(ctypes.Structure):
     _fields_ = [("fn", _p), ("fmt", _i64), ("in_features", _i64), ("out_features", _i64),
                 ("padded_out", _i64), ("group", _i64), ("w", _p), ("scale", _p),
                 ("minv", _p), ("bias", _p)]
+
+
+# ConveyorModel::kv_kind: the caches' element type
+_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 class _Layer(ctypes.Structure):
@@ -63,7 +67,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64),
                 ("vocab", _i64), ("max_position", _i64), ("num_blocks", _i64),
-                ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("kv_half", _i64),
+                ("block_size", _i64), ("eps", _f32), ("scale", _f32), ("kv_kind", _i64),
                 ("layers", _p),
                 ("embed", _p), ("norm", _p), ("cos", _p), ("sin", _p), ("lm_head", _Linear),
                 ("attention", _p)]
@@ -86,7 +90,8 @@ def _setup(lib: ctypes.CDLL) -> None:
             ("conveyor_add_rms_norm_rows", [_p, _i64, _p, _i64, _p, _f32, _i64, _i64, _p, _i64,
                                             i32]),
             ("conveyor_rotate_rows", [_p, _i64, _i64, _i64, _p, _p, _i64, i32]),
-            ("conveyor_silu_mul_rows", [_p, _i64, _i64, _i64, _p, _i64, i32])):
+            ("conveyor_silu_mul_rows", [_p, _i64, _i64, _i64, _p, _i64, i32]),
+            ("conveyor_narrow_kv", [_p, _p, _i64, _i64])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i32
 
@@ -94,6 +99,22 @@ def _setup(lib: ctypes.CDLL) -> None:
 LIBRARY = KernelLibrary(CppKernel("decode_forward_cpu", SOURCE, CXX_FLAGS), _setup)
 """The fused forward's library (and the unfused forward's row ops, ``kernels.rowwise_cpu``),
 built and loaded on first use."""
+
+
+def narrow_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x ([n] float32, contiguous, CPU) rounded to dtype (float16 or bfloat16) as the fused
+    forward rounds the K/V it stores in a 16-bit cache (``kernels/csrc/half.h``); for tests,
+    which hold it to torch's ``x.to(dtype)``. Raises ValueError for another dtype or input,
+    KernelBuildError where the library does not build."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"narrow_kv rounds to float16 or bfloat16, not {dtype}")
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError("narrow_kv needs a contiguous 1-D float32 CPU tensor")
+    out = torch.empty(x.shape, dtype=dtype)
+    if LIBRARY.load().conveyor_narrow_kv(x.data_ptr(), out.data_ptr(), x.numel(),
+                                         _KV_KINDS[dtype]) != 0:
+        raise ValueError("conveyor_narrow_kv refused its arguments")
+    return out
 
 
 def build_problem() -> str | None:
@@ -138,7 +159,7 @@ class FusedForward:
         layers: the decoder layers, in order.
         lm_head: (packed weight, isa) of the LM head.
         embed: [V, H] float32 embedding; norm: [H] final RMSNorm weight.
-        Each layer's kv: [2, num_blocks, block_size, Hkv, D], float32 or float16 (the
+        Each layer's kv: [2, num_blocks, block_size, Hkv, D], float32, float16 or bfloat16 (the
             model's KV cache; all layers one dtype), contiguous.
         cos, sin: [max_position, D/2] float32 rotary tables (rotate-half convention).
         num_heads, num_kv_heads, head_dim: Hq, Hkv, D. eps: RMSNorm epsilon.
@@ -199,7 +220,7 @@ class FusedForward:
         attention = ctypes.cast(dac.entry_point(kv.dtype), _p).value
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim,
                              intermediate, vocab, cos.shape[0], kv.shape[1], kv.shape[2],
-                             eps, scale, int(kv.dtype == torch.float16),
+                             eps, scale, _KV_KINDS[kv.dtype],
                              ctypes.addressof(self._layers), embed.data_ptr(),
                              norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), _linear(*lm_head),
                              attention)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, entry_name, entry_names
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
@@ -32,15 +33,10 @@ MAX_BLOCK_SIZE = 64
 __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "prefill_attention_cpu", "supports"]
 
 
-KV_DTYPES = (torch.float32, torch.float16)
-"""Cache dtypes the kernel reads (fp16 widened to fp32 as it is read; q and out stay fp32)."""
-_ENTRY = {torch.float32: "conveyor_prefill_attention_f32",
-          torch.float16: "conveyor_prefill_attention_f16kv"}
-
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in _ENTRY.values():
+    for name in entry_names("conveyor_prefill_attention"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32,
                        ctypes.c_float, i32]
@@ -79,8 +75,8 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Args:
         q: [n, Hq, D] float32 on the CPU, D and Hq * D contiguous per row (a row view of a
             fused projection is fine), n >= 1.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32 or float16 (KV_DTYPES),
-            one dtype, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] float32, float16 or bfloat16
+            (KV_DTYPES), one dtype, contiguous.
         blocks: [>= ceil(ctx_len / block_size)] int64, unit stride: the sequence's block ids.
         ctx_len: context length including the chunk (>= n).
         out: [n, Hq, D] float32, D and Hq * D contiguous per row.
@@ -98,13 +94,7 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"{tuple(v_cache.shape)}")
     n, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_d = k_cache.shape
-    for name, t in (("q", q), ("out", out)):
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be float32 on the CPU, got {t.dtype} on {t.device}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != k_cache.dtype or t.dtype not in KV_DTYPES or t.device.type != "cpu":
-            raise ValueError(f"{name} must be one of {KV_DTYPES} on the CPU (both caches "
-                             f"alike), got {t.dtype} on {t.device}")
+    check_dtypes(q, out, k_cache, v_cache)
     if blocks.dtype != torch.int64 or blocks.device.type != "cpu" or blocks.dim() != 1 or (
             blocks.shape[0] > 1 and blocks.stride(0) != 1):
         raise ValueError(f"blocks must be a 1-D int64 CPU tensor with unit stride, got "
@@ -123,7 +113,7 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if n == 0:
         return
-    fn = getattr(LIBRARY.load(), _ENTRY[k_cache.dtype])
+    fn = getattr(LIBRARY.load(), entry_name("conveyor_prefill_attention", k_cache.dtype))
     rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
             blocks.shape[0], n, int(ctx_len), out.data_ptr(), out.stride(0), num_blocks,
             num_q_heads, num_kv_heads, head_dim, block_size, float(scale),

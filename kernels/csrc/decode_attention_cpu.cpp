@@ -1,6 +1,6 @@
 // Paged decode attention on the CPU, fp32 queries and output: one query token per sequence.
-// The cache holds fp32 or fp16 (--kv-cache-dtype float16: half the bytes a step reads),
-// widened to fp32 as it is loaded; every sum is fp32 either way.
+// The cache holds fp32, fp16 or bf16 (--kv-cache-dtype float16 / bfloat16: half the bytes a
+// step reads), widened to fp32 as it is loaded; every sum is fp32 either way.
 //
 // Reads each sequence's K/V straight from the paged cache through its block
 // table (no gathered copy). A sequence's context is split into chunks of whole
@@ -49,6 +49,7 @@ inline v8 load8(const float* p) {
   return v;
 }
 
+using conveyor::BF16;  // a bf16 K/V element (half.h)
 using conveyor::Half;  // an fp16 K/V element (half.h)
 using conveyor::load8;
 
@@ -317,6 +318,20 @@ int conveyor_decode_attention_f16kv(const float* q, int64_t q_row_stride, const 
                                     int num_threads) {
   return decode_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
                           static_cast<const Half*>(v_cache), tables, table_stride, table_width,
+                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
+                          block_size, scale, num_threads);
+}
+
+// bf16 caches, fp32 q and out.
+int conveyor_decode_attention_bf16kv(const float* q, int64_t q_row_stride, const void* k_cache,
+                                     const void* v_cache, const int64_t* tables,
+                                     int64_t table_stride, int64_t table_width,
+                                     const int64_t* seq_lens, const int64_t* rows, float* out,
+                                     int64_t num_rows, int64_t num_blocks, int n, int Hq,
+                                     int Hkv, int head_dim, int block_size, float scale,
+                                     int num_threads) {
+  return decode_attention(q, q_row_stride, static_cast<const BF16*>(k_cache),
+                          static_cast<const BF16*>(v_cache), tables, table_stride, table_width,
                           seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
                           block_size, scale, num_threads);
 }

@@ -16,10 +16,10 @@
 // The linear layers and the attention are not compiled here: the caller passes function
 // pointers to the builds it chose (conveyor_qlinear of kernels/csrc/quant_linear_cpu.cpp,
 // built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 or
-// _f16kv of kernels/csrc/decode_attention_cpu.cpp, as the cache's dtype asks), so one step
-// runs exactly the kernels the unfused path would run for those layers, and a new weight
-// format needs nothing here. An fp16 cache gets each row's K/V rounded to nearest even on
-// store (half.h), the bits torch's `.to(torch.float16)` gives the unfused path.
+// _f16kv / _bf16kv of kernels/csrc/decode_attention_cpu.cpp, as the cache's dtype asks), so
+// one step runs exactly the kernels the unfused path would run for those layers, and a new
+// weight format needs nothing here. A 16-bit cache (fp16 or bf16) gets each row's K/V rounded
+// to nearest even on store (half.h), the bits torch's `.to(dtype)` gives the unfused path.
 //
 // Every row is computed on its own (the small ops loop over rows, the linear kernels are
 // row-invariant, the attention is per row): a row's result never depends on the other rows
@@ -61,14 +61,14 @@ struct ConveyorLayer {
   ConveyorLinear qkv, o, gate_up, down;
   const float* ln1;  // [H]
   const float* ln2;  // [H]
-  void* kv;          // [2, num_blocks, block_size, Hkv, D], fp32, or fp16 where kv_half
+  void* kv;          // [2, num_blocks, block_size, Hkv, D] of ConveyorModel::kv_kind
 };
 
 struct ConveyorModel {
   int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
   int64_t max_position, num_blocks, block_size;
   float eps, scale;
-  int64_t kv_half;              // 1: the caches hold fp16 (half.h), 0: fp32
+  int64_t kv_kind;              // the caches' elements: 0 fp32, 1 fp16, 2 bf16 (half.h)
   const ConveyorLayer* layers;  // [num_layers]
   const float* embed;           // [vocab, hidden]
   const float* norm;            // [hidden]
@@ -179,7 +179,8 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
   const int64_t D = md.head_dim, I = md.intermediate, half = D / 2;
   const int threads = st.num_threads;
   if (M <= 0 || H <= 0 || Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || D % 2 != 0 || I <= 0 ||
-      threads <= 0 || md.num_layers <= 0 || md.block_size <= 0 || st.num_logits < 0)
+      threads <= 0 || md.num_layers <= 0 || md.block_size <= 0 || st.num_logits < 0 ||
+      md.kv_kind < 0 || md.kv_kind > 2)
     return 1;
   for (int64_t m = 0; m < M; ++m) {
     if (st.ids[m] < 0 || st.ids[m] >= md.vocab) return 2;
@@ -218,7 +219,7 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
         add_norm_row(residual + m * H, h + m * H, L.ln1, md.eps, H, x + m * H);
       });
     if ((rc = linear(L.qkv, x, H, M, qkv, threads)) != 0) return 20 + rc;
-    const int64_t elem = md.kv_half ? sizeof(conveyor::Half) : sizeof(float);
+    const int64_t elem = md.kv_kind == 0 ? sizeof(float) : sizeof(uint16_t);
     char* k_cache = static_cast<char*>(L.kv);
     char* v_cache = k_cache + block_elems * elem;
     for_rows(M, threads, [&](int64_t m) {
@@ -228,9 +229,13 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
       rotate_row(row, Hq + Hkv, D, c, s);  // q heads then k heads, side by side
       char* k_dst = k_cache + st.slots[m] * kv_width * elem;
       char* v_dst = v_cache + st.slots[m] * kv_width * elem;
-      if (md.kv_half) {
+      if (md.kv_kind == 1) {
         conveyor::store_half(reinterpret_cast<conveyor::Half*>(k_dst), row + Hq * D, kv_width);
         conveyor::store_half(reinterpret_cast<conveyor::Half*>(v_dst), row + (Hq + Hkv) * D,
+                             kv_width);
+      } else if (md.kv_kind == 2) {
+        conveyor::store_bf16(reinterpret_cast<conveyor::BF16*>(k_dst), row + Hq * D, kv_width);
+        conveyor::store_bf16(reinterpret_cast<conveyor::BF16*>(v_dst), row + (Hq + Hkv) * D,
                              kv_width);
       } else {
         std::memcpy(k_dst, row + Hq * D, sizeof(float) * kv_width);
@@ -308,6 +313,18 @@ int conveyor_silu_mul_rows(const float* gu, int64_t gu_stride, int64_t M, int64_
   if (M < 0 || I < 1 || gu_stride < 2 * I || out_stride < I || threads < 1) return 1;
   for_rows(M, threads,
            [&](int64_t m) { silu_mul_row(gu + m * gu_stride, I, out + m * out_stride); });
+  return 0;
+}
+
+// dst[0 .. n) = src[0 .. n) narrowed as the fused forward stores K/V in a cache of `kind`
+// (ConveyorModel::kv_kind: 1 fp16, 2 bf16; half.h), so tests can hold that rounding to
+// torch's `.to(dtype)` bit for bit. Returns 1 for another kind or a negative n.
+int conveyor_narrow_kv(const float* src, void* dst, int64_t n, int64_t kind) {
+  if (n < 0 || (kind != 1 && kind != 2)) return 1;
+  if (kind == 1)
+    conveyor::store_half(static_cast<conveyor::Half*>(dst), src, n);
+  else
+    conveyor::store_bf16(static_cast<conveyor::BF16*>(dst), src, n);
   return 0;
 }
 

@@ -43,6 +43,7 @@
 
 namespace {
 
+using conveyor::BF16;  // a bf16 K/V element (half.h)
 using conveyor::Half;  // an fp16 K/V element (half.h)
 using conveyor::load8;
 
@@ -340,6 +341,19 @@ int conveyor_prefill_attention_f16kv(const float* q, int64_t q_row_stride, const
                                      int num_threads) {
   return prefill_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
                            static_cast<const Half*>(v_cache), table, table_len, n, ctx, out,
+                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
+                           num_threads);
+}
+
+// bf16 caches, fp32 q and out.
+int conveyor_prefill_attention_bf16kv(const float* q, int64_t q_row_stride, const void* k_cache,
+                                      const void* v_cache, const int64_t* table,
+                                      int64_t table_len, int64_t n, int64_t ctx, float* out,
+                                      int64_t out_row_stride, int64_t num_blocks, int Hq,
+                                      int Hkv, int head_dim, int block_size, float scale,
+                                      int num_threads) {
+  return prefill_attention(q, q_row_stride, static_cast<const BF16*>(k_cache),
+                           static_cast<const BF16*>(v_cache), table, table_len, n, ctx, out,
                            out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
                            num_threads);
 }

@@ -56,16 +56,17 @@ def test_matches_ref_and_naive(make_paged_batch, naive_attention, scenario, grou
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("head_dim,group", [(16, 1), (64, 3), (80, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fp16_cache_is_attention_over_its_fp32_widening(make_paged_batch, scenario, head_dim,
-                                                        group, threads) -> None:
-    # --kv-cache-dtype float16: both C++ kernels (decode rows, and the mixed scenario's
-    # prefill chunks) widen each fp16 value to fp32 as they load it and then do what they do
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_16bit_cache_is_attention_over_its_fp32_widening(make_paged_batch, scenario, head_dim,
+                                                         group, threads, kv_dtype) -> None:
+    # --kv-cache-dtype float16 / bfloat16: both C++ kernels (decode rows, and the mixed
+    # scenario's prefill chunks) widen each value to fp32 as they load it and then do what they do
     # over an fp32 cache: the output is that over the widened cache, up to the compiler's
     # FMA contraction, which may differ between the two builds of a loop (one ulp seen).
     batch = make_paged_batch(SCENARIOS[scenario], block_size=8, num_kv_heads=2, group=group,
                              head_dim=head_dim, dtype=torch.float32,
                              device=torch.device("cpu"), seed=13)
-    k16, v16 = batch.kv[0].half(), batch.kv[1].half()
+    k16, v16 = batch.kv[0].to(kv_dtype), batch.kv[1].to(kv_dtype)
     plan = _plan(batch)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -192,7 +193,9 @@ def test_bad_input_raises() -> None:
     with pytest.raises(ValueError, match="both caches alike"):
         call(q, cache, cache.half(), tables, lens, rows, out, 1.0)
     with pytest.raises(ValueError, match="both caches alike"):
-        call(q, cache.bfloat16(), cache.bfloat16(), tables, lens, rows, out, 1.0)
+        call(q, cache.bfloat16(), cache.half(), tables, lens, rows, out, 1.0)
+    with pytest.raises(ValueError, match="both caches alike"):
+        call(q, cache.double(), cache.double(), tables, lens, rows, out, 1.0)
 
 
 def test_supports() -> None:
@@ -201,7 +204,8 @@ def test_supports() -> None:
     assert not dac.supports(torch.float32, 9, 3, 24)
     assert not dac.supports(torch.float32, 8, 3, 64)
     assert dac.supports(torch.float32, 9, 3, 64, torch.float16)
-    assert not dac.supports(torch.float32, 9, 3, 64, torch.bfloat16)
+    assert dac.supports(torch.float32, 9, 3, 64, torch.bfloat16)
+    assert not dac.supports(torch.float32, 9, 3, 64, torch.float64)
     assert not dac.supports(torch.float16, 9, 3, 64, torch.float16)  # fp32 activations only
 
 

@@ -57,19 +57,20 @@ def test_chunks_match_ref(make_paged_batch, block_size, head_dim, num_kv_heads, 
 @needs_kernel
 @pytest.mark.parametrize("block_size", [8, 12, 16])
 @pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (16, 2, 1), (80, 1, 4)])
-def test_fp16_cache_is_attention_over_its_fp32_widening(make_paged_batch, block_size, head_dim,
-                                                        num_kv_heads, group) -> None:
-    # --kv-cache-dtype float16: K (into its transposed copy) and each block's V are widened
-    # once, then the fp32 code runs: the bits of an fp32 cache holding the widened values
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_16bit_cache_is_attention_over_its_fp32_widening(make_paged_batch, block_size, head_dim,
+                                                         num_kv_heads, group, kv_dtype) -> None:
+    # --kv-cache-dtype float16 / bfloat16: K (into its transposed copy) and each block's V are
+    # widened once, then the fp32 code runs: the bits of an fp32 cache holding the widened values
     seqs = [(37, 37), (70, 21), (9, 2)]
     batch = make_paged_batch(seqs, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
                              head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
                              seed=23)
-    half = dataclasses.replace(batch, kv=batch.kv.half())
+    half = dataclasses.replace(batch, kv=batch.kv.to(kv_dtype))
     widened = dataclasses.replace(batch, kv=half.kv.float())
     out = _direct(half)
     assert out.dtype == torch.float32 and torch.equal(out, _direct(widened))
-    assert not torch.equal(out, _direct(batch))  # the fp16 rounding shows
+    assert not torch.equal(out, _direct(batch))  # the 16-bit rounding shows
     torch.testing.assert_close(out, _ref(half), atol=1e-5, rtol=1e-5)
 
 
@@ -133,10 +134,13 @@ def test_checks() -> None:
         pac.prefill_attention_cpu(q, cache, cache, blocks.int(), 10, out, 0.125)
     with pytest.raises(ValueError, match="both caches alike"):
         pac.prefill_attention_cpu(q, cache, cache.half(), blocks, 10, out, 0.125)
+    with pytest.raises(ValueError, match="both caches alike"):
+        pac.prefill_attention_cpu(q, cache.bfloat16(), cache.half(), blocks, 10, out, 0.125)
     big = torch.randn(2, 80, 2, 64)
     with pytest.raises(ValueError, match="block_size"):
         pac.prefill_attention_cpu(q, big, big, torch.tensor([0]), 10, out, 0.125)
     assert torch.equal(out, torch.full_like(q, 7.0))  # the refused calls wrote nothing
     assert not pac.supports(torch.float32, 6, 2, 64, 128)
     assert pac.supports(torch.float32, 6, 2, 64, 16, torch.float16)
-    assert not pac.supports(torch.float32, 6, 2, 64, 16, torch.bfloat16)
+    assert pac.supports(torch.float32, 6, 2, 64, 16, torch.bfloat16)
+    assert not pac.supports(torch.float32, 6, 2, 64, 16, torch.float64)
