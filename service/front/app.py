@@ -84,7 +84,13 @@ def build_app(engine: EngineClient, config: ServerConfig,
                                                 headers={"Cache-Control": "no-cache"})
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        return OpenAIError(404, f"no route {request.url.path}", code="not_found").response()
+        path = request.url.path
+        message = f"no route {path}"
+        if path in (STREAM_PATH, RESPONSES_PATH):  # plain HTTP to a WebSocket route
+            message = (f"{path} is a WebSocket route: connect to ws://HOST:PORT{path}"
+                       + (" (openai SDK: client.responses.connect()); the Responses API is "
+                          "served in WebSocket mode only" if path == RESPONSES_PATH else ""))
+        return OpenAIError(404, message, code="not_found").response()
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
         response = OpenAIError(405, f"{request.method} is not allowed on {request.url.path}",

@@ -58,15 +58,17 @@ def from_protocol_error(e: ProtocolError, req: CreateRequest) -> ResponsesError:
     """An engine admission error as the Responses API's error: the same code, OpenAI's
     status and type, and the create's own field as `param`."""
     status, kind = _STATUS.get(e.code, (500, "server_error"))
-    param = None
+    param, message = None, e.message
     if isinstance(e, ContextLengthExceeded):
         param = "max_output_tokens" if req.max_output_tokens is not None else "input"
+        if param == "max_output_tokens":  # the engine names its own field
+            message = message.replace("max_tokens (", "max_output_tokens (")
     elif isinstance(e, InvalidRequest) and e.param:
         param = "input"
     code = "server_error" if e.code == "internal_error" else e.code
     if isinstance(e, InvalidRequest):
         code = "invalid_value"
-    return ResponsesError(e.message, code=code, param=param, status=status, type=kind)
+    return ResponsesError(message, code=code, param=param, status=status, type=kind)
 
 
 class ResponsesConnection(SocketActor):
@@ -160,6 +162,11 @@ class ResponsesConnection(SocketActor):
                 lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
                                      req.messages, generate=req.generate))
             limit = self.engine.sampling_defaults.max_new_tokens  # the model's default
+            if req.generate and req.max_output_tokens is None and len(ids) >= self._room():
+                # an unset max_output_tokens takes what is left: here nothing is
+                raise ContextLengthExceeded(
+                    f"the input ({len(ids)} tokens) leaves no room for output in the context "
+                    f"({self._room()} tokens)", request_id=run.id)
             max_tokens = 1 if not req.generate else \
                 req.max_output_tokens if req.max_output_tokens is not None else \
                 max(1, min(self._room() - len(ids), limit or self._room()))
