@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KV_DTYPES", "check_dtypes", "entry_name"]
+__all__ = ["KV_DTYPES", "check_dtypes", "entry_name", "entry_names"]
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Cache dtypes the kernels read."""

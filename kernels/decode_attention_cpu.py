@@ -35,7 +35,6 @@ __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "decode_
            "entry_point", "kernel_available", "kernel_error", "load_kernel", "supports"]
 
 
-
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in entry_names("conveyor_decode_attention"):

@@ -43,7 +43,8 @@ overflowing exp is not a clean inf, so SiLU clamps its argument (silu_mul_row). 
 no value for NaN or infinity, and a NaN still propagates through the arithmetic to the
 logits, where the sampler's checks (built without -ffast-math) fail the row."""
 
-__all__ = ["FusedForward", "FusedLayer", "KernelBuildError", "LIBRARY", "build_problem", "narrow_kv"]
+__all__ = ["FusedForward", "FusedLayer", "KernelBuildError", "LIBRARY", "build_problem",
+           "narrow_kv"]
 
 _i64, _p, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 

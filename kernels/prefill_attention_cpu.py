@@ -33,7 +33,6 @@ MAX_BLOCK_SIZE = 64
 __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "prefill_attention_cpu", "supports"]
 
 
-
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in entry_names("conveyor_prefill_attention"):
