@@ -1,6 +1,6 @@
 """--batch-invariant on the real model: a request's greedy tokens AND its logits are the same
 bits alone, batched with prompts of other lengths (chunked prefill mixed with decodes), and
-after a prefix-cache hit, in fp32, int8 and int4.
+after a prefix-cache hit, in fp32, int8, int4 and auto, and in auto over 16-bit KV caches.
 
 The kernel choice is made by a deterministic fake timer that serves buckets 1 and 64 with
 the AVX-512 build and 16 and 512 with the AVX2 build (where both run): a layer then
@@ -15,6 +15,7 @@ import torch
 from kernels import decode_attention_cpu as dac
 from kernels import quant_linear_cpu as qlc
 from protocol import SamplingParams
+from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.llm import LLM
 from service.worker.quantization import choice
 from service.core.request import Request
@@ -79,17 +80,22 @@ def _run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[Requ
     return [r.output_token_ids for r in reqs], reqs
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4", "auto"])
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [
+    (None, "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "auto"),
+    ("auto", "float16"), ("auto", "bfloat16")])
 def test_greedy_tokens_and_logits_are_the_same_bits(loaded_model, tokenizer, monkeypatch,
-                                                    quantization) -> None:
+                                                    quantization, kv_cache_dtype) -> None:
     monkeypatch.setattr(choice, "default_timer", _fake_timer)
     monkeypatch.setattr(choice, "_save_cache", lambda timings: None)
     monkeypatch.setattr(choice, "_load_cache", lambda: {})
     # nor in the process's own memory, which keeps a busy machine's timings: from there the
     # fake ones reached later runners of the suite (and the disk, with their next save)
     monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})
-    llm = LLM(loaded=loaded_model, quantization=quantization, batch_invariant=True,
-              num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=24)
+    llm = LLM(loaded=loaded_model, config=EngineConfig(
+        model=ModelConfig(quantization=quantization, batch_invariant=True),
+        cache=CacheConfig(num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24)))
+    assert str(llm.runner.kv_dtype) == f"torch.{'float32' if kv_cache_dtype == 'auto' else kv_cache_dtype}"
     plan = llm.runner.linear_plan
     assert plan is not None and plan.batch_invariant
     assert all(n.startswith("cpp-") for names in plan.choices.values() for n in names)
