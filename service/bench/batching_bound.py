@@ -15,7 +15,7 @@ sends the next request when one finishes), at most `max_num_seqs` in a batch.
   "request-level scheduling").
 
 Used to state how far a measured continuous/static ratio is from what these
-workloads allow at all (README, Performance). Pure: no engine, no timing.
+workloads allow at all (README, Performance; docs/perf/HISTORY.md). Pure: no engine, no timing.
 """
 
 from __future__ import annotations

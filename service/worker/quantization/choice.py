@@ -200,7 +200,7 @@ same layer. Measured on an idle AVX2 machine, the worst genuine case is 3.1x (th
 dequantize-then-matmul path, whose one-row product takes another BLAS route); timings
 taken while other processes held the cores ran 30x slower at 1 row than at 16
 (cpp-q4_1x8: 7.4 against 0.22 ms), and such a cache made an idle server choose fp32
-kernels (README, Performance, 2026-12-01 later)."""
+kernels (docs/perf/HISTORY.md, 2026-12-01 later)."""
 
 
 def contradictions(timings: Mapping[str, float]) -> set[str]:

@@ -36,8 +36,8 @@ The ``x16`` paths (the same blocks times int16 activations: a rounding of at mos
 each group's largest |x|, under ACT16_ERROR_BOUND) are offered in auto and auto-a8 alike:
 they multiply twice as many int16 pairs an instruction as fp32 FMAs, so compute-bound calls
 (prefill chunks, big batches) may run faster, and their error is a few hundred times below
-int8 activations' (2e-5 - 5e-5 against 0.005 - 0.03 on the same rows; README, accuracy
-report). Not in --batch-invariant, which keeps the weights' fp32 product.
+int8 activations' (2e-5 - 5e-5 against 0.005 - 0.03 on the same rows; docs/perf/HISTORY.md,
+2026-12-01 accuracy report). Not in --batch-invariant, which keeps the weights' fp32 product.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ ACT8_ERROR_BOUND = 0.04
 """int8 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x8-*`` paths): each x is
 rounded to 8 bits against its group's largest |x| (relative error up to 2^-8 of that
 maximum); measured 0.005-0.03 on random rows with an outlier token (AVX2 Zen 3). The bound
-is int8 mode's. On SmolLM2-135M (README, accuracy report) int8 activations on every layer
+is int8 mode's. On SmolLM2-135M (docs/perf/HISTORY.md, 2026-12-01 accuracy report) int8 activations on every layer
 cost teacher-forced top-1 agreement 93.9% and perplexity +1.5% (the LM head alone 98.2%),
 so they serve only --quantization auto-a8, never the default."""
 ACT16_ERROR_BOUND = 1e-3
