@@ -23,7 +23,7 @@
 
 The disk tier's metrics (`kv_disk_blocks_written_total`, `kv_disk_bytes_written_total`,
 `kv_disk_blocks_read_total`, `kv_disk_bytes_read_total`, `kv_disk_writes_dropped_total`,
-`kv_disk_eviction_saves_total`,
+`kv_disk_writes_skipped_total`, `kv_disk_eviction_saves_total`,
 `kv_disk_read_failures_total{reason}`, `kv_disk_evictions_total`, `kv_disk_usage_bytes`,
 `kv_disk_enabled`, and the histogram `kv_disk_load_seconds`: one load's read and
 verification, from queueing to done) exist only when the engine has one.
@@ -108,10 +108,14 @@ class _DiskCollector:
              CounterMetricFamily),
             ("kv_disk_writes_dropped", "Blocks not written: the write queue was full.",
              st.writes_dropped, CounterMetricFamily),
+            ("kv_disk_writes_skipped", "Block saves skipped: the tier had room only by "
+             "evicting the same sequence's earlier blocks (--kv-disk-size); each offer counts.",
+             st.writes_skipped, CounterMetricFamily),
             ("kv_disk_eviction_saves", "Blocks queued for writing when the pool evicted "
              "them (their earlier save had been dropped).", st.eviction_saves,
              CounterMetricFamily),
-            ("kv_disk_evictions", "Block files evicted (LRU, by --kv-disk-size).",
+            ("kv_disk_evictions", "Block files evicted (least recently used sequence ends "
+             "first, by --kv-disk-size).",
              st.blocks_evicted, CounterMetricFamily),
             ("kv_disk_usage_bytes", "Bytes of block files the tier holds.",
              t.index.total_bytes, GaugeMetricFamily),

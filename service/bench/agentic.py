@@ -95,7 +95,8 @@ def engine_extra(engine: Engine) -> dict:
     if tier is not None:
         st = tier.stats
         extra.update(blocks_written=st.blocks_written, blocks_read=st.blocks_read,
-                     writes_dropped=st.writes_dropped, eviction_saves=st.eviction_saves,
+                     writes_dropped=st.writes_dropped, writes_skipped=st.writes_skipped,
+                     eviction_saves=st.eviction_saves,
                      read_failures=dict(st.read_failures),
                      disk_bytes=tier.index.total_bytes)
     return extra

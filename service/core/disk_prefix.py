@@ -177,7 +177,7 @@ class DiskPrefix:
         hashes = req.block_hashes
         for b in range(start, num_full):
             block = DiskBlock(digests[b], tuple(req.token_slice(b * bs, (b + 1) * bs)),
-                              req.block_ids[b])
+                              req.block_ids[b], digests[b - 1] if b else None)
             self._pending.append(block)
             if b < len(hashes):
                 self._noted[block.block_id] = (hashes[b], block)

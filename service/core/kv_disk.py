@@ -18,11 +18,14 @@ __all__ = ["DiskBlock", "DiskTier", "LoadResult"]
 
 
 class DiskBlock(NamedTuple):
-    """A full pool block to save: its digest, its block_size token ids, its pool block id."""
+    """A full pool block to save: its digest, its block_size token ids, its pool block id,
+    and the digest of the block before it in its sequence (None for a sequence's first
+    block): the tier evicts a prefix chain from its end, never its head first."""
 
     digest: bytes
     token_ids: tuple[int, ...]
     block_id: int
+    parent: bytes | None = None
 
 
 class LoadResult(NamedTuple):

@@ -47,6 +47,7 @@ __all__ = ["DiskTier", "DiskTierStats", "open_disk_tier"]
 
 SUFFIX = ".kvb"
 STALE_TMP_S = 600.0  # a temporary file this old is a crashed writer's: deleted at start-up
+TOO_LONG_MEMORY = 65536  # digests of skipped blocks remembered (about 3 MB)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class DiskTierStats:
     blocks_read: int = 0
     bytes_read: int = 0
     writes_dropped: int = 0      # the write queue was full
+    writes_skipped: int = 0      # offers of blocks whose sequence outgrew the tier
     eviction_saves: int = 0      # queued when the pool evicted them (not saved before)
     blocks_evicted: int = 0
     bad_files_at_start: int = 0  # wrong size, deleted by the start-up scan
@@ -73,11 +75,12 @@ class _WriteJob:
 
 
 class DiskTier:
-    """Block files of one KV fingerprint under `path`, LRU-bounded to `capacity_bytes`.
+    """Block files of one KV fingerprint under `path`, bounded to `capacity_bytes` (least
+    recently used sequence ends evicted first: `service.core.kv_disk_index`).
 
     Args:
         path: the tier's directory (shared by every engine given it; created if missing).
-        capacity_bytes: most bytes of block files this engine keeps (LRU eviction).
+        capacity_bytes: most bytes of block files this engine keeps.
         fields: the KV fingerprint's fields (`service.worker.kv_fingerprint`).
         kv_caches: the pool's KV tensors, one per layer, [2, num_blocks, block_size, Hkv, D].
         queue_bytes: most K/V bytes waiting to be written (beyond it saves are dropped);
@@ -112,6 +115,10 @@ class DiskTier:
         self._off_lock = threading.Lock()
         self._queued: set[bytes] = set()  # digests waiting in the write queue
         self._inflight_bytes = 0
+        self._mtime_ns = 0  # the last file time _touch_chains set (strictly increasing)
+        # blocks not written because their sequence outgrew the tier (so the blocks after
+        # them are not either), most recent last, at most TOO_LONG_MEMORY
+        self._too_long: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._loads_inflight = 0
         self._write_q: queue.SimpleQueue[_WriteJob | None] = queue.SimpleQueue()
         self._load_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
@@ -197,7 +204,7 @@ class DiskTier:
                 break
             if size != self.file_nbytes:
                 break
-            self.index.add(digests[n], size)
+            self.index.add(digests[n], size, digests[n - 1] if n else None)
             n += 1
         return n
 
@@ -208,6 +215,9 @@ class DiskTier:
             return
         todo: list[DiskBlock] = []
         seen: set[bytes] = set()
+        # bytes of a block's sequence up to and including it, for the blocks taken here: a
+        # block whose sequence would outgrow the tier is skipped before its K/V is copied
+        chain: dict[bytes, int] = {}
         with self._lock:
             room = (self.queue_bytes - self._inflight_bytes) // self.payload_nbytes
             for b in blocks:
@@ -215,6 +225,21 @@ class DiskTier:
                 if d in seen or d in self._queued or d in self.index:
                     continue
                 seen.add(d)
+                if b.parent is not None and b.parent in self._too_long:
+                    below: int | None = self.index.capacity_bytes  # after a skipped block
+                elif b.parent is None:
+                    below = 0
+                elif b.parent in chain:
+                    below = chain[b.parent]
+                elif b.parent in self.index:
+                    below = self.index.chain_bytes(b.parent)
+                else:
+                    below = None  # queued, or only in the pool: the writer decides
+                if below is not None:
+                    if below + self.file_nbytes > self.index.capacity_bytes:
+                        self._skip(d)
+                        continue
+                    chain[d] = below + self.file_nbytes
                 if len(todo) >= room:
                     self.stats.writes_dropped += 1
                     continue
@@ -299,21 +324,59 @@ class DiskTier:
                     self._inflight_bytes -= job.nbytes
 
     def _write(self, job: _WriteJob) -> None:
-        for i, block in enumerate(job.blocks):
-            if not self.enabled:
-                return
-            victims = self.index.make_room(self.file_nbytes)
-            if victims is None:  # a single block is larger than the whole tier
-                return
-            self._evict(victims)
-            payload = job.staging[:, :, i].contiguous()  # [L, 2, block_size, Hkv, D]
-            path = self.path_of(block.digest)
-            path.parent.mkdir(exist_ok=True)
-            size = write_block_file(path, self.root, block.digest, block.token_ids,
-                                    payload.view(torch.uint8).numpy().data)
-            self.index.add(block.digest, size)
-            self.stats.blocks_written += 1
-            self.stats.bytes_written += size
+        """Write the job's blocks in order; room comes from other chains' ends
+        (`DiskIndex.make_room`): a block that fits only by evicting its own chain's head is
+        skipped, and so are the blocks after it. Then each chain written is marked used from
+        its end to its head (`_touch_chains`)."""
+        written: list[DiskBlock] = []
+        try:
+            for i, block in enumerate(job.blocks):
+                if not self.enabled:
+                    return
+                with self._lock:
+                    after_skipped = block.parent is not None and block.parent in self._too_long
+                victims = None if after_skipped else self.index.make_room(
+                    self.file_nbytes, () if block.parent is None else (block.parent,))
+                if victims is None:
+                    with self._lock:
+                        self._skip(block.digest)
+                    continue
+                self._evict(victims)
+                payload = job.staging[:, :, i].contiguous()  # [L, 2, block_size, Hkv, D]
+                path = self.path_of(block.digest)
+                path.parent.mkdir(exist_ok=True)
+                size = write_block_file(path, self.root, block.digest, block.token_ids,
+                                        payload.view(torch.uint8).numpy().data)
+                self.index.add(block.digest, size, block.parent)
+                written.append(block)
+                self.stats.blocks_written += 1
+                self.stats.bytes_written += size
+        finally:
+            parents = {b.parent for b in written}
+            self._touch_chains([b.digest for b in written if b.digest not in parents])
+
+    def _skip(self, digest: bytes) -> None:
+        """Count a block not written because its sequence outgrew the tier, and remember it
+        so that the blocks after it are skipped too (caller holds `_lock`)."""
+        self.stats.writes_skipped += 1
+        self._too_long[digest] = None
+        self._too_long.move_to_end(digest)
+        if len(self._too_long) > TOO_LONG_MEMORY:
+            self._too_long.popitem(last=False)
+
+    def _touch_chains(self, ends: Sequence[bytes]) -> None:
+        """Mark each chain ending at one of `ends` used now, from its end to its head
+        (`DiskIndex.touch_chain`), and set its files' modification times in the same
+        strictly increasing order, so that the start-up scan of a restart, which knows no
+        chains, rebuilds that order (the file system's clock is too coarse for it)."""
+        for end in ends:
+            for d in self.index.touch_chain(end):
+                with self._off_lock:  # the writer and the loader both come here
+                    self._mtime_ns = t = max(time.time_ns(), self._mtime_ns + 1)
+                try:
+                    os.utime(self.path_of(d), ns=(t, t))
+                except OSError:
+                    pass  # gone meanwhile (another replica evicted it): a later miss
 
     # ---- the loader thread --------------------------------------------------------------
     def _load_loop(self) -> None:
@@ -362,14 +425,13 @@ class DiskTier:
             except OSError as e:
                 self._turn_off("read", e)
                 break
-            self.index.touch(digest)
-            try:
-                os.utime(path)  # recency survives a restart (the scan orders by mtime)
-            except OSError:
-                pass
+            if n:  # consecutive blocks of one chain (a restart forgets the links)
+                self.index.link(digest, digests[n - 1])
             n += 1
             self.stats.blocks_read += 1
             self.stats.bytes_read += self.file_nbytes
+        if n:  # recency, the chain's head last; it survives a restart (files' times)
+            self._touch_chains([digests[n - 1]])
         return staging[:n] if n else None
 
     def _miss(self, digest: bytes, reason: str, message: str) -> None:

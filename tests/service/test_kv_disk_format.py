@@ -49,6 +49,48 @@ def test_index_lru_by_bytes():
         DiskIndex(0)
 
 
+def test_index_evicts_chain_ends_first():
+    # a -> b -> c (one sequence's blocks), x alone; LRU order a, b, c, x
+    ix = DiskIndex(400)
+    ix.add(b"a", 100)
+    ix.add(b"b", 100, parent=b"a")
+    ix.add(b"c", 100, parent=b"b")
+    ix.add(b"x", 100)
+    assert ix.make_room(100) == [b"c"]  # a and b are older, but c depends on them
+    assert ix.make_room(200) == [b"b"]  # b is a leaf now and older than x
+    assert ix.lru_order() == [b"a", b"x"] and ix.leading_hits([b"a", b"b"]) == 1
+
+
+def test_index_keep_protects_a_chain_and_refuses_rather_than_cut_it():
+    ix = DiskIndex(300)
+    ix.add(b"a", 100)
+    ix.add(b"b", 100, parent=b"a")
+    ix.add(b"x", 100)
+    # room for b's child: x goes, never a or b (kept with their descendants)
+    assert ix.make_room(100, keep=[b"b"]) == [b"x"]
+    ix.add(b"c", 100, parent=b"b")
+    # the chain fills the tier: its next block cannot come without cutting it
+    assert ix.make_room(100, keep=[b"c"]) is None and len(ix) == 3
+    assert ix.make_room(100) == [b"c"]  # without the keep, its end goes
+
+
+def test_index_touch_chain_marks_the_head_most_recent():
+    ix = DiskIndex(1000)
+    ix.add(b"a", 1)
+    ix.add(b"b", 1, parent=b"a")
+    ix.add(b"c", 1, parent=b"b")
+    ix.add(b"x", 1)
+    assert ix.touch_chain(b"c") == [b"c", b"b", b"a"]
+    assert ix.lru_order() == [b"x", b"c", b"b", b"a"]
+    assert ix.touch_chain(b"zz") == []
+    ix.add(b"y", 1)
+    ix.link(b"y", b"x")  # learnt later (a load of blocks found at start-up)
+    # x, the oldest, is y's parent now: the oldest leaf, c, goes instead
+    assert ix.make_room(1000 - 5 + 1) == [b"c"]
+    ix.link(b"nope", b"x")  # unknown digest: ignored
+    assert len(ix) == 4
+
+
 def _write(tmp_path: Path, payload: bytes = bytes(range(256)) * 4) -> Path:
     path = tmp_path / "blk.kvb"
     n = write_block_file(path, FP, b"D" * 16, TOKENS, payload)

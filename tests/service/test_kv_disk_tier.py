@@ -29,10 +29,20 @@ def caches(fill: bool = True) -> list[torch.Tensor]:
     return out
 
 
-def blocks_of(tier: DiskTier, tokens: list[int], block_ids: list[int]) -> list[DiskBlock]:
+def blocks_of(tier: DiskTier, tokens: list[int], block_ids: list[int],
+              chained: bool = False) -> list[DiskBlock]:
+    """The blocks of `tokens`; chained: each names the one before it as its parent, as the
+    scheduler's saves do (else each stands alone)."""
     digests = block_digests(tier.root, tokens, BS)
-    return [DiskBlock(d, tuple(tokens[i * BS:(i + 1) * BS]), b)
+    return [DiskBlock(d, tuple(tokens[i * BS:(i + 1) * BS]), b,
+                      digests[i - 1] if chained and i else None)
             for i, (d, b) in enumerate(zip(digests, block_ids))]
+
+
+def block_file_bytes(tmp_path) -> int:
+    probe = DiskTier(tmp_path / "probe", 1 << 30, FIELDS, caches())
+    probe.close()
+    return probe.file_nbytes
 
 
 def wait_writes(tier: DiskTier, n: int, timeout: float = 10.0) -> None:
@@ -171,6 +181,83 @@ def test_lru_eviction_by_size_keeps_recent_blocks(tmp_path):
             d.hex() + ".kvb" for d in (digests[0], digests[3], digests[4]))
     finally:
         tier.close()
+
+
+def test_a_chain_longer_than_the_tier_keeps_its_head(tmp_path):
+    # a sequence of 6 blocks into room for 3: the first 3 stay (a lookup hits them); the
+    # last 3 are skipped, where plain LRU had evicted the head and left nothing reachable
+    size = block_file_bytes(tmp_path)
+    tier = DiskTier(tmp_path, 3 * size, FIELDS, caches())
+    tokens = list(range(1, 6 * BS + 1))
+    digests = block_digests(tier.root, tokens, BS)
+    try:
+        tier.save(blocks_of(tier, tokens, [0, 1, 2, 3, 4, 5], chained=True))
+        wait_writes(tier, 3)
+        # the last 3 never reach the write queue: their K/V is not even copied out
+        assert tier.lookup(digests) == 3 and tier.stats.writes_skipped == 3
+        assert tier.stats.blocks_written == 3
+        assert tier.stats.blocks_evicted == 0
+        assert tier.index.lru_order() == [digests[2], digests[1], digests[0]]  # head last
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 3 * size, FIELDS, caches())
+    try:  # a restart rebuilds the same order from the files' times
+        assert again.lookup(digests) == 3
+        assert again.index.lru_order() == [digests[2], digests[1], digests[0]]
+    finally:
+        again.close()
+
+
+def test_the_writer_skips_what_would_cut_its_own_sequence(tmp_path):
+    # blocks saved in two calls: the second call's first block names a parent still in the
+    # write queue, so only the writer can see that the sequence has outgrown the tier
+    size = block_file_bytes(tmp_path)
+    tier = DiskTier(tmp_path, 2 * size, FIELDS, caches())
+    tokens = list(range(1, 4 * BS + 1))
+    digests = block_digests(tier.root, tokens, BS)
+    blocks = blocks_of(tier, tokens, [0, 1, 2, 3], chained=True)
+    try:
+        tier._write_q.put(None)  # stop the writer, so that both calls queue first
+        tier._writer.join()
+        tier.save(blocks[:2])
+        tier.save(blocks[2:])
+        assert tier.stats.writes_skipped == 0  # block 2's parent was queued, not indexed
+        jobs = []
+        while not tier._write_q.empty():
+            jobs.append(tier._write_q.get())
+        for job in jobs:
+            tier._write(job)
+        assert tier.lookup(digests) == 2 and tier.stats.writes_skipped == 2
+        assert tier.stats.blocks_evicted == 0
+    finally:
+        tier._closed = True
+
+
+def test_another_sequence_takes_its_room_from_chain_ends(tmp_path):
+    size = block_file_bytes(tmp_path)
+    tier = DiskTier(tmp_path, 4 * size, FIELDS, caches())
+    a_tokens, b_tokens = list(range(1, 3 * BS + 1)), list(range(100, 100 + 3 * BS))
+    a, b = block_digests(tier.root, a_tokens, BS), block_digests(tier.root, b_tokens, BS)
+    try:
+        tier.save(blocks_of(tier, a_tokens, [0, 1, 2], chained=True))
+        wait_writes(tier, 3)
+        tier.save(blocks_of(tier, b_tokens, [3, 4, 5], chained=True))
+        wait_writes(tier, 6)
+        # A's end went first (a2, then a1): A keeps a 1-block prefix, B all of its 3
+        assert tier.lookup(a) == 1 and tier.lookup(b) == 3
+        assert tier.index.lru_order() == [a[0], b[2], b[1], b[0]]
+        # a load marks the chain used, head last: A's head is now the most recent
+        assert tier.load("k", a[:1], [tuple(a_tokens[:BS])])
+        assert wait_load(tier)[0].num_blocks == 1
+        assert tier.index.lru_order() == [b[2], b[1], b[0], a[0]]
+        order = tier.index.lru_order()
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 4 * size, FIELDS, caches())
+    try:
+        assert again.index.lru_order() == order
+    finally:
+        again.close()
 
 
 def test_a_full_write_queue_drops_and_counts(tmp_path):
