@@ -162,9 +162,8 @@ def test_another_fingerprint_never_sees_the_blocks(tmp_path, tier):
 
 
 def test_lru_eviction_by_size_keeps_recent_blocks(tmp_path):
-    probe = DiskTier(tmp_path / "probe", 1 << 30, FIELDS, caches())
-    size = probe.file_nbytes
-    probe.close()
+    # blocks that stand alone (no parents): plain LRU among them
+    size = block_file_bytes(tmp_path)
     tier = DiskTier(tmp_path, 3 * size, FIELDS, caches())
     try:
         tokens = list(range(1, 6 * BS + 1))  # 6 blocks, room for 3
