@@ -47,7 +47,7 @@ __all__ = ["DiskTier", "DiskTierStats", "open_disk_tier"]
 
 SUFFIX = ".kvb"
 STALE_TMP_S = 600.0  # a temporary file this old is a crashed writer's: deleted at start-up
-TOO_LONG_MEMORY = 65536  # digests of skipped blocks remembered (about 3 MB)
+TOO_LONG_MEMORY = 65536  # digests of skipped blocks remembered (a few MB at most)
 
 
 @dataclass
