@@ -109,7 +109,7 @@ class _DiskCollector:
             ("kv_disk_writes_dropped", "Blocks not written: the write queue was full.",
              st.writes_dropped, CounterMetricFamily),
             ("kv_disk_writes_skipped", "Block saves skipped: the tier had room only by "
-             "evicting the same sequence's earlier blocks (--kv-disk-size); each offer counts.",
+             "evicting the same sequence's earlier blocks (--kv-disk-size).",
              st.writes_skipped, CounterMetricFamily),
             ("kv_disk_eviction_saves", "Blocks queued for writing when the pool evicted "
              "them (their earlier save had been dropped).", st.eviction_saves,

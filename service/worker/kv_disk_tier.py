@@ -60,7 +60,7 @@ class DiskTierStats:
     blocks_read: int = 0
     bytes_read: int = 0
     writes_dropped: int = 0      # the write queue was full
-    writes_skipped: int = 0      # offers of blocks whose sequence outgrew the tier
+    writes_skipped: int = 0      # blocks whose sequence outgrew the tier (each once)
     eviction_saves: int = 0      # queued when the pool evicted them (not saved before)
     blocks_evicted: int = 0
     bad_files_at_start: int = 0  # wrong size, deleted by the start-up scan
@@ -222,8 +222,8 @@ class DiskTier:
             room = (self.queue_bytes - self._inflight_bytes) // self.payload_nbytes
             for b in blocks:
                 d = b.digest
-                if d in seen or d in self._queued or d in self.index:
-                    continue
+                if d in seen or d in self._queued or d in self.index or d in self._too_long:
+                    continue  # held, on its way, or skipped before (counted then)
                 seen.add(d)
                 if b.parent is not None and b.parent in self._too_long:
                     below: int | None = self.index.capacity_bytes  # after a skipped block
@@ -356,9 +356,11 @@ class DiskTier:
             self._touch_chains([b.digest for b in written if b.digest not in parents])
 
     def _skip(self, digest: bytes) -> None:
-        """Count a block not written because its sequence outgrew the tier, and remember it
-        so that the blocks after it are skipped too (caller holds `_lock`)."""
-        self.stats.writes_skipped += 1
+        """Count a block not written because its sequence outgrew the tier, and remember it,
+        so that it is not offered again and the blocks after it are skipped too (caller
+        holds `_lock`)."""
+        if digest not in self._too_long:
+            self.stats.writes_skipped += 1
         self._too_long[digest] = None
         self._too_long.move_to_end(digest)
         if len(self._too_long) > TOO_LONG_MEMORY:

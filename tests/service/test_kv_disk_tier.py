@@ -195,6 +195,8 @@ def test_a_chain_longer_than_the_tier_keeps_its_head(tmp_path):
         # the last 3 never reach the write queue: their K/V is not even copied out
         assert tier.lookup(digests) == 3 and tier.stats.writes_skipped == 3
         assert tier.stats.blocks_written == 3
+        tier.save(blocks_of(tier, tokens, [0, 1, 2, 3, 4, 5], chained=True))  # offered again
+        assert tier.stats.writes_skipped == 3 and not tier._queued  # counted once, not queued
         assert tier.stats.blocks_evicted == 0
         assert tier.index.lru_order() == [digests[2], digests[1], digests[0]]  # head last
     finally:
