@@ -165,8 +165,9 @@ class ResponsesConnection(SocketActor):
             if req.generate and req.max_output_tokens is None and len(ids) >= self._room():
                 # an unset max_output_tokens takes what is left: here nothing is
                 raise ContextLengthExceeded(
-                    f"the input ({len(ids)} tokens) leaves no room for output in the context "
-                    f"({self._room()} tokens)", request_id=run.id)
+                    f"the input ({len(ids)} tokens) leaves no room for output: a response "
+                    f"holds at most {self._room()} tokens (the context, or the whole KV cache "
+                    "where that is smaller)", request_id=run.id)
             max_tokens = 1 if not req.generate else \
                 req.max_output_tokens if req.max_output_tokens is not None else \
                 max(1, min(self._room() - len(ids), limit or self._room()))

@@ -34,7 +34,7 @@ async def test_an_unset_max_output_tokens_fits_a_kv_cache_smaller_than_the_conte
     await wait_idle(engine)
 
 
-async def _error_for(ws, **create) -> object:
+async def _final_event(ws, **create) -> object:
     await ws.send(json.dumps({"type": "response.create", **create}))
     while (event := EVENT.validate_json(await ws.recv())).type not in (
             "response.completed", "response.incomplete", "response.failed", "error"):
@@ -47,14 +47,14 @@ async def test_context_errors_name_the_responses_fields(make_server) -> None:
     url = server.url.replace("/v1/stream", "/v1/responses")
     long_input = "one two three four five six seven eight nine ten " * 80  # > 512 tokens
     async with websockets.connect(url) as ws:
-        event = await _error_for(ws, input=long_input)
+        event = await _final_event(ws, input=long_input)
         assert event.type == "error" and event.error.code == "context_length_exceeded", event
         assert event.error.param == "input"
         assert "leaves no room for output" in event.error.message, event.error.message
         assert "max_tokens" not in event.error.message
-        event = await _error_for(ws, input="Hi", max_output_tokens=600)
+        event = await _final_event(ws, input="Hi", max_output_tokens=600)
         assert event.type == "error" and event.error.param == "max_output_tokens", event
         assert "max_output_tokens (600)" in event.error.message, event.error.message
-        ok = await _error_for(ws, input="Say hi.", max_output_tokens=4, temperature=0)
+        ok = await _final_event(ws, input="Say hi.", max_output_tokens=4, temperature=0)
         assert ok.type in ("response.completed", "response.incomplete"), ok  # still serving
     await wait_idle(engine)

@@ -86,9 +86,9 @@ ACT8_ERROR_BOUND = 0.04
 """int8 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x8-*`` paths): each x is
 rounded to 8 bits against its group's largest |x| (relative error up to 2^-8 of that
 maximum); measured 0.005-0.03 on random rows with an outlier token (AVX2 Zen 3). The bound
-is int8 mode's. On SmolLM2-135M (docs/perf/HISTORY.md, 2026-12-01 accuracy report) int8 activations on every layer
-cost teacher-forced top-1 agreement 93.9% and perplexity +1.5% (the LM head alone 98.2%),
-so they serve only --quantization auto-a8, never the default."""
+is int8 mode's. On SmolLM2-135M (docs/perf/HISTORY.md, 2026-12-01 accuracy report) int8
+activations on every layer cost teacher-forced top-1 agreement 93.9% and perplexity +1.5%
+(the LM head alone 98.2%), so they serve only --quantization auto-a8, never the default."""
 ACT16_ERROR_BOUND = 1e-3
 """int16 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x16-*`` paths): each x is
 rounded against its group's largest |x| with 2^-16 of it at most; measured 2e-5 - 5e-5
