@@ -69,12 +69,6 @@ class DiskIndex:
                 n += 1
         return n
 
-    def touch(self, digest: bytes) -> None:
-        """Mark a block used now (it moves to the MRU end); unknown digests are ignored."""
-        with self._lock:
-            if digest in self._entries:
-                self._entries.move_to_end(digest)
-
     def touch_chain(self, digest: bytes) -> list[bytes]:
         """Mark `digest` and its indexed ancestors used now, the block first and the chain's
         head last (the most recent of all); returns them in that order (the tier sets the

@@ -40,7 +40,7 @@ def test_index_lru_by_bytes():
     for name in (b"a", b"b", b"c"):
         ix.add(name, 100)
     assert ix.total_bytes == 300 and ix.leading_hits([b"a", b"b", b"x", b"c"]) == 2
-    ix.touch(b"a")  # a becomes the most recent: b is evicted first
+    assert ix.touch_chain(b"a") == [b"a"]  # a, alone, becomes the most recent: b goes first
     assert ix.lru_order() == [b"b", b"c", b"a"]
     assert ix.make_room(150) == [b"b", b"c"]
     assert ix.total_bytes == 100 and ix.make_room(400) is None and len(ix) == 1

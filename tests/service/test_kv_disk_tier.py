@@ -171,7 +171,7 @@ def test_lru_eviction_by_size_keeps_recent_blocks(tmp_path):
         blocks = blocks_of(tier, tokens, [0, 1, 2, 3, 4, 5])
         tier.save(blocks[:3])
         wait_writes(tier, 3)
-        tier.index.touch(digests[0])  # block 0 used again: 1 and 2 are older
+        tier.index.touch_chain(digests[0])  # block 0 used again: 1 and 2 are older
         tier.save(blocks[3:5])
         wait_writes(tier, 5)
         assert tier.index.lru_order() == [digests[0], digests[3], digests[4]]
