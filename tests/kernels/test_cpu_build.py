@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
@@ -149,6 +151,23 @@ def test_a_remembered_failure_keeps_no_caller_alive(kernel) -> None:
     assert lib.problem() is not None
 
 
+@contextlib.contextmanager
+def uncapped_env() -> Iterator[None]:
+    """The cap variables unset inside (the tests set them by hand), restored after. Not
+    monkeypatch: cpu_flags() is cached per process, and the cache must be cleared after the
+    variables are back (the suite may run capped)."""
+    saved = {v: os.environ.pop(v, None) for v in ("ATEN_CPU_CAPABILITY", *cpu_build.ONEDNN_CAP_VARS)}
+    cpu_build.cpu_flags.cache_clear()
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            os.environ.pop(var, None)
+            if value is not None:
+                os.environ[var] = value
+        cpu_build.cpu_flags.cache_clear()
+
+
 HAS_AVX512 = ('extern "C" int conveyor_avx512() {\n#ifdef __AVX512F__\n  return 1;\n'
               '#else\n  return 0;\n#endif\n}\n')
 
@@ -168,11 +187,7 @@ def test_an_avx2_cap_hides_the_flags_above_it_and_builds_without_them(tmp_path,
         lib = ctypes.CDLL(str(cpu_build.build(kernel, "g++")))
         return lib.conveyor_avx512()
 
-    # the environment is set and restored by hand: cpu_flags() is cached per process, and
-    # the cache must be cleared after the variables are back (the suite may run capped)
-    saved = {v: os.environ.pop(v, None) for v in ("ATEN_CPU_CAPABILITY", *cpu_build.ONEDNN_CAP_VARS)}
-    cpu_build.cpu_flags.cache_clear()
-    try:
+    with uncapped_env():
         real = cpu_build.cpu_flags()
         assert cpu_build.isa_cap() is None and cpu_build.cap_flags(native) == ()
         assert avx512_in(native) == int("avx512f" in real)  # -march=native: what the CPU has
@@ -184,12 +199,6 @@ def test_an_avx2_cap_hides_the_flags_above_it_and_builds_without_them(tmp_path,
         assert "-mno-avx512f" in cpu_build.cap_flags(native)
         assert cpu_build.cap_flags(wide) == () and not wide.runs_here()
         assert avx512_in(native) == 0  # another build (its own key), without AVX-512
-    finally:
-        for var, value in saved.items():
-            os.environ.pop(var, None)
-            if value is not None:
-                os.environ[var] = value
-        cpu_build.cpu_flags.cache_clear()
 
 
 HAS_VNNI = ('extern "C" int conveyor_vnni() {\n#if defined(__AVX512VNNI__)\n  return 1;\n'
@@ -214,9 +223,7 @@ def test_an_avx512_core_cap_hides_vnni_bf16_and_amx_and_builds_without_them(
     def vnni_in(kernel: CppKernel) -> int:
         return ctypes.CDLL(str(cpu_build.build(kernel, "g++"))).conveyor_vnni()
 
-    saved = {v: os.environ.pop(v, None) for v in ("ATEN_CPU_CAPABILITY", *cpu_build.ONEDNN_CAP_VARS)}
-    cpu_build.cpu_flags.cache_clear()
-    try:
+    with uncapped_env():
         real = cpu_build.cpu_flags()
         assert cpu_build.isa_cap() is None
         assert vnni_in(native) == int("avx512_vnni" in real)
@@ -240,9 +247,3 @@ def test_an_avx512_core_cap_hides_vnni_bf16_and_amx_and_builds_without_them(
         cpu_build.cpu_flags.cache_clear()
         assert cpu_build.isa_cap() == "avx2"
         assert not any(f.startswith("avx512") for f in cpu_build.cpu_flags())
-    finally:
-        for var, value in saved.items():
-            os.environ.pop(var, None)
-            if value is not None:
-                os.environ[var] = value
-        cpu_build.cpu_flags.cache_clear()
