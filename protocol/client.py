@@ -289,9 +289,12 @@ class Client:
 class Stream:
     """The events of one request: `async for event in stream` yields Deltas, then the Done.
 
-    The `generate` frame is sent on the first iteration. Leaving early
-    (`break` then `await stream.aclose()`, `async with stream:`, the task
-    being cancelled, or the stream being garbage-collected) sends `cancel`.
+    The `generate` frame is sent on the first iteration. Leaving early sends
+    `cancel`: `break` out of `async for ... in client.generate(...)` (the
+    stream is dropped, and asyncio closes its generator in the next loop
+    iteration), `await stream.aclose()`, `async with stream:`, or the task
+    being cancelled. A stream kept in a variable after `break` is still
+    open until one of these, or until it is dropped.
 
     Attributes:
         id: the request id.
@@ -308,12 +311,24 @@ class Stream:
 
     def __init__(self, client: Client, frame: Generate) -> None:
         self.id = frame.id
-        self.prompt_tokens: int | None = None
-        self.error: ProtocolError | None = None
-        self.done: Done | None = None
-        self._client = client
-        self._frame = frame
-        self._events = self._run()
+        self._outcome = _Outcome()
+        # The generator holds the outcome, not this stream: no reference cycle, so a stream
+        # left in the middle (`break` out of `async for`) is freed at once and asyncio's
+        # finalizer closes the generator, which sends `cancel`, without waiting for a
+        # garbage collection.
+        self._events = _events(client, frame, self._outcome)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self._outcome.prompt_tokens
+
+    @property
+    def error(self) -> ProtocolError | None:
+        return self._outcome.error
+
+    @property
+    def done(self) -> Done | None:
+        return self._outcome.done
 
     def __aiter__(self) -> Stream:
         return self
@@ -336,34 +351,49 @@ class Stream:
     ) -> None:
         await self.aclose()
 
-    async def _run(self) -> AsyncGenerator[Delta | Done, None]:
-        client = self._client
-        request = client._open_request(self.id)
-        ended = False
-        try:
-            await client._send(self._frame)
-            while True:
-                event = await request.queue.get()
-                if isinstance(event, ClientConnectionClosed):
-                    raise _copy(event)
-                if isinstance(event, Accepted):
-                    self.prompt_tokens = event.prompt_tokens
-                elif isinstance(event, Delta):
-                    yield event
-                elif isinstance(event, Error):
-                    error = error_from_frame(event)
-                    if self.prompt_tokens is None:
-                        ended = True
-                        raise error
-                    self.error = error
-                elif isinstance(event, Done):
+
+class _Outcome:
+    """What the server has said of one request: a Stream's `prompt_tokens`, `error` and
+    `done`, written by its generator."""
+
+    __slots__ = ("done", "error", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens: int | None = None
+        self.error: ProtocolError | None = None
+        self.done: Done | None = None
+
+
+async def _events(client: Client, frame: Generate,
+                  outcome: _Outcome) -> AsyncGenerator[Delta | Done, None]:
+    """A Stream's iteration: sends `frame`, yields its Deltas and Done, sends `cancel` when
+    closed before the request ended."""
+    request = client._open_request(frame.id)
+    ended = False
+    try:
+        await client._send(frame)
+        while True:
+            event = await request.queue.get()
+            if isinstance(event, ClientConnectionClosed):
+                raise _copy(event)
+            if isinstance(event, Accepted):
+                outcome.prompt_tokens = event.prompt_tokens
+            elif isinstance(event, Delta):
+                yield event
+            elif isinstance(event, Error):
+                error = error_from_frame(event)
+                if outcome.prompt_tokens is None:
                     ended = True
-                    self.done = event
-                    yield event
-                    return
-        finally:
-            if not ended:
-                await client._abandon(self.id)
+                    raise error
+                outcome.error = error
+            elif isinstance(event, Done):
+                ended = True
+                outcome.done = event
+                yield event
+                return
+    finally:
+        if not ended:
+            await client._abandon(frame.id)
 
 
 class _Request:

@@ -188,14 +188,19 @@ async def test_async_with_break_sends_cancel(client: Client, fake_server: Any) -
 async def test_dropped_stream_sends_cancel(client: Client, fake_server: Any) -> None:
     async def read_one() -> None:
         async for _ in client.generate(prompt="x", id="g"):
-            break  # the stream is garbage now; asyncio finalizes its generator
+            break  # the stream is dropped; asyncio finalizes its generator
 
-    task = asyncio.create_task(read_one())
-    await fake_server.recv()
-    await fake_server.send(Accepted(id="g", prompt_tokens=1), delta("g", 0, "a"))
-    await task
-    gc.collect()
-    assert await fake_server.recv() == {"type": "cancel", "id": "g"}
+    # No garbage collection may do it: the stream must be freed by reference counting
+    # (a reference cycle once kept it, and the request running, until the next collection).
+    gc.disable()
+    try:
+        task = asyncio.create_task(read_one())
+        await fake_server.recv()
+        await fake_server.send(Accepted(id="g", prompt_tokens=1), delta("g", 0, "a"))
+        await task
+        assert await asyncio.wait_for(fake_server.recv(), 5) == {"type": "cancel", "id": "g"}
+    finally:
+        gc.enable()
 
 
 async def test_cancel_ends_the_stream_with_the_servers_done(
