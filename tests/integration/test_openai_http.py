@@ -229,7 +229,27 @@ BAD = [
                                      "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "t1"}]},
+     "messages[0].tool_call_id"),  # only a tool message answers a call
+    ({"messages": [*QUESTION, {"role": "tool", "content": "42", "tool_call_id": 7}]},
+     "messages[1].tool_call_id"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": None,
+                               "tool_calls": [{"id": "t1", "type": "function"}]}]},
+     "messages[1].tool_calls"),
 ]
+
+
+def test_tool_message_with_its_call_id_is_served_as_the_tool_turn(client):
+    """The openai SDK's typed tool message carries tool_call_id; the chat template renders
+    the content alone, so the prompt is the one without the id."""
+    turns = [*QUESTION, {"role": "tool", "content": "The tool says: Paris."}]
+    plain = client.chat.completions.create(messages=turns, max_tokens=8, temperature=0,
+                                           model="SmolLM2-135M-Instruct")
+    with_id = client.chat.completions.create(
+        messages=[*QUESTION, {**turns[1], "tool_call_id": "call_1"}], max_tokens=8,
+        temperature=0, model="SmolLM2-135M-Instruct")
+    assert with_id.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert with_id.choices[0].message.content == plain.choices[0].message.content
 
 
 @pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])

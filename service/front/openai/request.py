@@ -5,9 +5,10 @@ Served (OpenAI's names; the engine checks every value's range as the wire does):
            stop (a string or up to 8), n (1..MAX_N; choice i of a seeded request uses
            seed + i), user, stream, stream_options.include_usage; the extras vLLM accepts:
            top_k, min_p, ignore_eos, priority, stop_token_ids; presence_penalty /
-           frequency_penalty only at 0
+           frequency_penalty only at 0; accepted and ignored: metadata, store, service_tier
     chat:  messages (role system / developer (sent as system) / user / assistant / tool,
-           content a string or a list of {"type": "text", "text"} parts),
+           content a string or a list of {"type": "text", "text"} parts; a tool message's
+           tool_call_id is accepted, the content alone rendered),
            max_completion_tokens, response_format {"type": "text"}, empty tools,
            tool_choice "none", parallel_tool_calls
     completions: prompt (a string, a list of strings, token ids, a list of token-id
@@ -204,6 +205,11 @@ def chat_plan(body: Any, served_model: str) -> Plan:
         if not isinstance(m, dict):
             raise bad(where, "each message must be an object", "invalid_type")
         extra = set(m) - {"role", "content", "name"}
+        if m.get("role") == "tool":  # the call it answers: the template renders the content
+            extra.discard("tool_call_id")
+            if not isinstance(m.get("tool_call_id", ""), str):
+                raise bad(f"{where}.tool_call_id", "tool_call_id must be a string",
+                          "invalid_type")
         if extra:
             key = sorted(extra)[0]
             raise bad(f"{where}.{key}", f"{key} is not supported in messages",
