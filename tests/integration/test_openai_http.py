@@ -239,6 +239,17 @@ BAD = [
 ]
 
 
+def test_sdk_lists_and_retrieves_the_model(server, client):
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    card = client.models.retrieve("SmolLM2-135M-Instruct")
+    assert (card.id, card.object, card.owned_by) == ("SmolLM2-135M-Instruct", "model", "conveyor")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")  # a name with a slash reaches the route too
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    r = httpx.get(server.base_url + "/models/SmolLM2-135M-Instruct")  # no key: 401
+    assert r.status_code == 401
+
+
 def test_tool_message_with_its_call_id_is_served_as_the_tool_turn(client):
     """The openai SDK's typed tool message carries tool_call_id; the chat template renders
     the content alone, so the prompt is the one without the id."""

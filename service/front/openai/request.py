@@ -92,11 +92,17 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     return body
 
 
-def _check_model(body: dict, served: str) -> None:
-    model = _type(body, "model", str, "a string")
-    if model is not None and model != served:
+def check_model_name(model: str, served: str) -> None:
+    """Raises OpenAIError 404 `model_not_found` unless `model` is the served name."""
+    if model != served:
         raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
                           f"{served!r}", param="model", code="model_not_found")
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = _type(body, "model", str, "a string")
+    if model is not None:
+        check_model_name(model, served)
 
 
 def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tuple[int, bool, bool]:

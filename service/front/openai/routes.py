@@ -1,4 +1,5 @@
-"""The OpenAI HTTP routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""The OpenAI HTTP routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+GET /v1/models/{model} (the SDK's `models.retrieve`).
 
 Each request: access (401 / 403) -> body (413 over `max_message_bytes`, 400 not JSON)
 -> Plan (400 naming the field, 404 another model) -> every choice admitted by the
@@ -25,7 +26,7 @@ from service.config import ServerConfig
 from service.engine_client import EngineClient
 from service.front.guard import WWW_AUTHENTICATE, refusal
 from service.front.openai.errors import OpenAIError
-from service.front.openai.request import Plan, chat_plan, completion_plan
+from service.front.openai.request import Plan, chat_plan, check_model_name, completion_plan
 from service.front.openai.run import Run
 
 CHAT_PATH = "/v1/chat/completions"
@@ -45,6 +46,7 @@ class OpenAIRoutes:
 
     def routes(self) -> list[Route]:
         return [Route(MODELS_PATH, self.models, methods=["GET"]),
+                Route(MODELS_PATH + "/{model:path}", self.model, methods=["GET"]),
                 Route(CHAT_PATH, self.chat, methods=["POST"]),
                 Route(COMPLETIONS_PATH, self.completions, methods=["POST"])]
 
@@ -65,6 +67,10 @@ class OpenAIRoutes:
             raise OpenAIError(status, message, code="invalid_api_key" if status == 401 else
                               "origin_not_allowed")
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.engine.model_name, "object": "model", "created": self.created,
+                "owned_by": "conveyor", "max_model_len": self.engine.max_model_len}
+
     async def models(self, request: Request) -> Response:
         try:
             self._guard(request)
@@ -72,9 +78,19 @@ class OpenAIRoutes:
             self._count(MODELS_PATH, e.status)
             return self._error(e)
         self._count(MODELS_PATH, 200)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.engine.model_name, "object": "model", "created": self.created,
-             "owned_by": "conveyor", "max_model_len": self.engine.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """The served model's card; another name: 404 `model_not_found`."""
+        route = MODELS_PATH + "/{model}"
+        try:
+            self._guard(request)
+            check_model_name(request.path_params["model"], self.engine.model_name)
+        except OpenAIError as e:
+            self._count(route, e.status)
+            return self._error(e)
+        self._count(route, 200)
+        return JSONResponse(self._model_card())
 
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, CHAT_PATH, chat_plan, "chatcmpl")
