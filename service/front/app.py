@@ -10,8 +10,8 @@
     WS   /v1/stream             the streaming protocol (PROTOCOL.md)
     WS   /v1/responses          the OpenAI Responses API's WebSocket mode
     GET  /v1/models             \\
-    GET  /v1/models/{model}      \\ the OpenAI HTTP API (service/front/openai/)
-    POST /v1/chat/completions    /
+    GET  /v1/models/{model}      | the OpenAI HTTP API (service/front/openai/)
+    POST /v1/chat/completions    |
     POST /v1/completions        /
 
 Every route but /health is guarded (service/front/guard.py). `build_app` makes the same
