@@ -112,6 +112,8 @@ class StepLoop:
             log.warning("empty_step", waiting=len(self.core.scheduler.waiting))
             timeout = 0.005
         self._wakeup.clear()
+        if not self.inbox.empty() or self.aborts:
+            return  # came in during the step that found nothing to run: admit it first
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
         except asyncio.TimeoutError:

@@ -152,6 +152,29 @@ async def test_static_batching_holds_dones_until_the_batch_ends(make):
     assert engine.core.num_steps >= 12
 
 
+async def test_a_dynamic_batch_filled_during_an_empty_step_starts_at_once(make):
+    # The first request's step finds its batch not due (a 30 s queue delay) and runs nothing;
+    # the other two arrive during that step and fill the batch: it must start then, not
+    # 30 s after the first arrival (the loop once slept to the due time with them queued).
+    engine = await make(cfg=config(batching="dynamic", max_num_seqs=3,
+                                   max_queue_delay_ms=30_000))
+    step = engine.core.step
+
+    def slow_step():
+        time.sleep(0.1)  # a window for the others to arrive while it runs
+        return step()
+
+    engine.core.step = slow_step
+    first = asyncio.create_task(collect(engine, prompt="a", params={"max_tokens": 2}))
+    while engine._loop.step_started is None:
+        await asyncio.sleep(0.001)
+    rest = [asyncio.create_task(collect(engine, prompt=p, params={"max_tokens": 2}))
+            for p in ("b", "c")]
+    results = await asyncio.wait_for(asyncio.gather(first, *rest), 10)
+    assert [r[2].finish_reason for r in results] == ["length"] * 3
+    assert max(r[2].timings.queue_ms for r in results) < 5_000
+
+
 async def test_an_injected_fault_fails_only_its_request_and_health_stays_true(make):
     engine = await make()
     engine.inject_fault("execute", request_id="bad", count=None)
