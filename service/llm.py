@@ -1,6 +1,6 @@
 """Offline, synchronous generation on the engine's core (no asyncio, no server).
 
-    llm = LLM()                                   # the default model, fp32 on CPU
+    llm = LLM()              # the default model, as `conveyor serve` serves it (quantization auto)
     llm.generate_greedy([[1, 2, 3]], max_tokens=8)
 
 The same EngineCore (scheduler, block pool, model runner) as the server, stepped
@@ -88,6 +88,11 @@ class LLM:
     @property
     def scheduler(self):
         return self.core.scheduler
+
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer (vLLM: `llm.get_tokenizer()`)."""
+        return self.runner.tokenizer
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
                  params: SamplingParams | Mapping[str, Any]
