@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, metavar="PATH",
                    help="model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quantization", default="none", metavar="LIST",
+    p.add_argument("--quantization", default="auto", metavar="LIST",
                    help="comma-separated variants among none, int8, int4, auto, auto-a8 (e.g. "
-                        "none,int4,auto)")
+                        "none,int4,auto; default: auto, what `conveyor serve` runs)")
     p.add_argument("--batch-invariant", default="off", metavar="LIST",
                    help="comma-separated variants among off, on (e.g. off,on to measure what "
                         "--batch-invariant costs)")
@@ -317,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if path:
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
+        print(f"engine-only bench: wrote {path}")
     return 0
 
 

@@ -190,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=2)
+        print(f"wrote {a.json}")
     return 0
 
 

@@ -66,10 +66,11 @@ def test_cpu_hog_and_the_adaptive_thread_variant(loaded_model) -> None:
                   "--warmup", "0", "--prefill-len", "0", "--threads", "1,auto",
                   "--cpu-hog", "1"], loaded=loaded_model)
     assert report["machine"]["cpu_hogs"] == 1
-    assert list(report["results"]["decode-2"]) == ["fp32/cpp/1t", "fp32/cpp/auto"]
-    assert report["results"]["decode-2"]["fp32/cpp/auto"]["steps_measured"] == 6
+    # the default variant is what `conveyor serve` runs: --quantization auto
+    assert list(report["results"]["decode-2"]) == ["auto/cpp/1t", "auto/cpp/auto"]
+    assert report["results"]["decode-2"]["auto/cpp/auto"]["steps_measured"] == 6
     assert list(report["thread_tuning"]) == ["decode-1", "decode-2"]  # a tuner per scenario
-    assert list(report["thread_tuning"]["decode-2"]) == ["fp32/cpp/auto"]
+    assert list(report["thread_tuning"]["decode-2"]) == ["auto/cpp/auto"]
 
 
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--threads", "0"],
@@ -85,7 +86,7 @@ def test_bad_arguments_exit_2(argv, capsys) -> None:
     assert "engine-only bench" in capsys.readouterr().err
 
 
-def test_json_written(loaded_model, tmp_path, monkeypatch) -> None:
+def test_json_written(loaded_model, tmp_path, monkeypatch, capsys) -> None:
     import service.bench.engine_only as eo
 
     monkeypatch.setattr(eo, "load_model", lambda *a, **k: loaded_model)
@@ -94,6 +95,7 @@ def test_json_written(loaded_model, tmp_path, monkeypatch) -> None:
                  "--warmup", "0", "--prefill-len", "0", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert list(data["results"]) == ["decode-1"]
+    assert f"wrote {out}" in capsys.readouterr().out
 
 
 def test_scripts_bench_engine_only_dispatches_to_it(capsys) -> None:
