@@ -1100,11 +1100,13 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
 // [49152 x 576] q8_0 LM head; this build against tile16's in one process, alternating;
 // docs/perf/2026-12-05/vnni-tiles-s24): layers 1.19x faster at 2 rows, 1.39x at 4,
 // 1.37-1.39x at 8 and 10, 1.27x at 16, 1.22x at 64; the LM head 1.24-1.67x at 2 to 64
-// rows. On that core a zmm vpdpwssd retires one a cycle (3.66 G/s on one core: 117 G int16
-// multiply-adds/s; docs/perf/2026-12-05/busd-tiles-s26), and these tiles reach 66-70% of
-// that at 512 rows: the group's float steps (four multiply-pipe instructions a row per 16
-// vpdpwssd) and the unpacking take the rest. A vpdpbusd tile that unpacks far less (that
-// folder's patch) gained 5-7% on [3072 x 576] and lost 3-9% on [576 x 1536]: not taken.
+// rows. On that core a zmm vpdpwssd retires about one a cycle (3.66 G/s on one core: 117 G
+// int16 multiply-adds/s; docs/perf/2026-12-05/busd-tiles-s26), and these tiles reach about
+// two thirds of that (one thread: 66% on [3072 x 576] at 512 rows, 68% on [576 x 1536] at
+// 64): the group's float steps (four multiply-pipe instructions a row per 16 vpdpwssd) and
+// the unpacking take the rest. A vpdpbusd tile that unpacks far less (that folder's patch)
+// measured 1.05-1.26x on [3072 x 576] and 0.91-1.10x on [576 x 1536] (2-512 rows, two
+// threads, in cache): not taken.
 constexpr int64_t kVnniFewRows = 8;
 
 // Rows per work item of the VNNI path: a work item is a block (below kVnniFewRows rows) or
