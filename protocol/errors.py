@@ -68,9 +68,20 @@ class DuplicateId(ProtocolError):
 
 
 class ContextLengthExceeded(ProtocolError):
-    """Prompt tokens + max_tokens exceed the model's context (`max_model_len`)."""
+    """Prompt tokens + max_tokens exceed the model's context (`max_model_len`).
+
+    Attributes:
+        prompt_alone: the prompt by itself leaves no room for one output token (whatever
+            max_tokens is); the fronts with fields of their own name the prompt's field
+            then (OpenAI's `messages` / `prompt`, the Responses API's `input`). Not on the
+            wire: a received frame gives False.
+    """
 
     code: ClassVar[ErrorCode] = "context_length_exceeded"
+
+    def __init__(self, message: str, *, prompt_alone: bool = False, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.prompt_alone = prompt_alone
 
 
 class Overloaded(ProtocolError):

@@ -142,10 +142,12 @@ class Preprocessor:
         if n + params.max_tokens > limit:
             raise ContextLengthExceeded(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"({limit})", param="$.params.max_tokens", request_id=client_id)
+                f"({limit})", param="$.params.max_tokens", request_id=client_id,
+                prompt_alone=n >= limit)
         need = -(-(n + params.max_tokens) // self.block_size)
         if need > self.num_kv_blocks:
             raise ContextLengthExceeded(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
                 f"but the whole cache has {self.num_kv_blocks}", param="$.params.max_tokens",
-                request_id=client_id)
+                request_id=client_id,
+                prompt_alone=-(-(n + 1) // self.block_size) > self.num_kv_blocks)

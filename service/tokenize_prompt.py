@@ -91,7 +91,8 @@ class PromptTokenizer:
             prompt = f"prompt (at least {min_tokens} tokens) + " if min_tokens else ""
             raise ContextLengthExceeded(
                 f"{prompt}max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
-                param="$.params.max_tokens", request_id=request_id)
+                param="$.params.max_tokens", request_id=request_id,
+                prompt_alone=min_tokens >= max_model_len)
 
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,

@@ -60,7 +60,8 @@ def from_protocol_error(e: ProtocolError, req: CreateRequest) -> ResponsesError:
     status, kind = _STATUS.get(e.code, (500, "server_error"))
     param, message = None, e.message
     if isinstance(e, ContextLengthExceeded):
-        param = "max_output_tokens" if req.max_output_tokens is not None else "input"
+        param = "input" if e.prompt_alone or req.max_output_tokens is None \
+            else "max_output_tokens"
         if param == "max_output_tokens":  # the engine names its own field
             message = message.replace("max_tokens (", "max_output_tokens (")
     elif isinstance(e, InvalidRequest) and e.param:
@@ -167,7 +168,7 @@ class ResponsesConnection(SocketActor):
                 raise ContextLengthExceeded(
                     f"the input ({len(ids)} tokens) leaves no room for output: a response "
                     f"holds at most {self._room()} tokens (the context, or the whole KV cache "
-                    "where that is smaller)", request_id=run.id)
+                    "where that is smaller)", request_id=run.id, prompt_alone=True)
             max_tokens = 1 if not req.generate else \
                 req.max_output_tokens if req.max_output_tokens is not None else \
                 max(1, min(self._room() - len(ids), limit or self._room()))

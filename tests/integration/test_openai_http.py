@@ -309,6 +309,15 @@ def test_bad_completion_fields_and_http_errors(server):
     r = httpx.post(url + "/chat/completions", headers=auth,
                    json={"messages": QUESTION, "max_tokens": 2**31 - 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # a prompt over the context by itself is named as the prompt's field, as OpenAI does
+    long = "hello " * 9000  # about 9,000 tokens, over the 8,192 context
+    for route, body, param in [("/chat/completions", {"messages": [
+            {"role": "user", "content": long}]}, "messages"),
+            ("/completions", {"prompt": long}, "prompt")]:
+        r = httpx.post(url + route, headers=auth, json={**body, "max_tokens": 5})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+        assert error["param"] == param, r.text
     assert "at least 0 tokens" not in r.json()["error"]["message"], r.text
     metrics = httpx.get(url.removesuffix("/v1") + "/metrics", headers=auth).text
     assert 'conveyor:http_requests_total{model_name="SmolLM2-135M-Instruct",' \

@@ -81,8 +81,11 @@ def param_of(path: str | None, renames: dict[str, str]) -> str | None:
     return {"prompt_token_ids": "prompt"}.get(p, p.replace("prompt_token_ids", "prompt"))
 
 
-def from_protocol(e: ProtocolError | Error, renames: dict[str, str]) -> OpenAIError:
-    """The OpenAI error for an engine refusal (a ProtocolError or an `error` event)."""
+def from_protocol(e: ProtocolError | Error, renames: dict[str, str],
+                  prompt_field: str | None = None) -> OpenAIError:
+    """The OpenAI error for an engine refusal (a ProtocolError or an `error` event).
+    prompt_field: the request's prompt field ("messages", "prompt"), named as `param` when
+    the prompt alone is over the context (OpenAI's own param there) rather than max_tokens."""
     status = _STATUS.get(e.code, 500)
     retry = None
     if isinstance(e, Overloaded) or e.code in ("overloaded", "too_many_requests"):
@@ -91,6 +94,8 @@ def from_protocol(e: ProtocolError | Error, renames: dict[str, str]) -> OpenAIEr
     elif e.code == "shutting_down":
         retry = SHUTDOWN_RETRY_AFTER_S
     param = param_of(e.param, renames)
+    if prompt_field is not None and getattr(e, "prompt_alone", False):
+        param = prompt_field
     message = e.message
     if e.code == "invalid_request":
         code = "invalid_value"  # as this front's own checks (`bad`) say it

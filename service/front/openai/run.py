@@ -72,7 +72,8 @@ class Run:
         except ProtocolError as e:
             self.keys.pop()  # never queued
             self.abort()
-            raise from_protocol(e, plan.renames) from None
+            raise from_protocol(e, plan.renames,
+                                "messages" if plan.kind == "chat" else "prompt") from None
         except BaseException:
             self.keys.pop()
             self.abort()
