@@ -52,6 +52,8 @@ async def test_context_errors_name_the_responses_fields(make_server) -> None:
         assert event.error.param == "input"
         assert "leaves no room for output" in event.error.message, event.error.message
         assert "max_tokens" not in event.error.message
+        event = await _final_event(ws, input=long_input, max_output_tokens=5)
+        assert event.type == "error" and event.error.param == "input", event  # input alone
         event = await _final_event(ws, input="Hi", max_output_tokens=600)
         assert event.type == "error" and event.error.param == "max_output_tokens", event
         assert "max_output_tokens (600)" in event.error.message, event.error.message
