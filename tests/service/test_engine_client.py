@@ -31,9 +31,14 @@ def test_llm_refuses_a_request_larger_than_the_whole_kv_pool_at_once():
     cfg = EngineConfig(cache=CacheConfig(num_kv_blocks=4, block_size=16))
     llm = LLM(config=cfg, runner=TinyRunner(num_blocks=4))
     t0 = time.monotonic()
-    with pytest.raises(ContextLengthExceeded, match="KV blocks"):
+    with pytest.raises(ContextLengthExceeded, match="KV blocks") as big:
         llm.generate([[1 + i % 200 for i in range(300)]], {"max_tokens": 4})
     assert time.monotonic() - t0 < 5
+    assert big.value.prompt_alone  # 300 tokens need 19 of the 4 blocks by themselves
+    with pytest.raises(ContextLengthExceeded, match="KV blocks") as long_output:
+        llm.generate([[1, 2, 3]], {"max_tokens": 100})
+    assert not long_output.value.prompt_alone and \
+        long_output.value.param == "$.params.max_tokens"
     with pytest.raises(InvalidRequest) as e:
         llm.generate([[1, 2]], {"temperature": -1})
     assert e.value.param == "$.params.temperature"
