@@ -50,13 +50,15 @@ UNSUPPORTED = frozenset({
 
 class ResponsesError(Exception):
     """An `error` event to send: HTTP-like `status`, OpenAI's error `type` and `code`,
-    `param` (the offending field, e.g. "input[0].content[1].type") or None."""
+    `param` (the offending field, e.g. "input[0].content[1].type") or None; `stream_id`:
+    the lane of the frame it refuses, where the frame named one (None otherwise)."""
 
     def __init__(self, message: str, *, code: str | None, param: str | None = None,
                  status: int = 400, type: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.message, self.code, self.param = message, code, param
         self.status, self.type = status, type
+        self.stream_id: str | None = None
 
     def event(self, sequence_number: int = 0, stream_id: str | None = None) -> ErrorEvent:
         return ErrorEvent(sequence_number=sequence_number, stream_id=stream_id,
@@ -207,6 +209,16 @@ def parse_client_frame(data: str | bytes) -> CreateRequest:
     except (msgspec.DecodeError, UnicodeError, RecursionError) as e:
         raise ResponsesError(f"We could not parse the JSON body of your request: {e}",
                              code="invalid_json") from None
+    try:
+        return _parse_create(body)
+    except ResponsesError as e:  # the error answers on the frame's lane
+        sid = body.get("stream_id")
+        if isinstance(sid, str) and 0 < len(sid) <= 128:
+            e.stream_id = sid
+        raise
+
+
+def _parse_create(body: dict[str, Any]) -> CreateRequest:
     kind = body.get("type")
     if kind != "response.create":
         if kind == "response.steer":

@@ -113,7 +113,7 @@ class ResponsesConnection(SocketActor):
             stream_id = req.stream_id
             self._create(req, received)
         except ResponsesError as e:
-            self.outbox.put(e.event(0, stream_id))
+            self.outbox.put(e.event(0, stream_id if stream_id is not None else e.stream_id))
         except Exception:
             log.exception("frame_failed", connection_id=self.conn_id)
             self.outbox.put(ResponsesError("the server failed to handle this event",

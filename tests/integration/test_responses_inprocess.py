@@ -57,6 +57,10 @@ async def test_context_errors_name_the_responses_fields(make_server) -> None:
         event = await _final_event(ws, input="Hi", max_output_tokens=600)
         assert event.type == "error" and event.error.param == "max_output_tokens", event
         assert "max_output_tokens (600)" in event.error.message, event.error.message
+        # a frame refused while it is read still answers on its lane
+        event = await _final_event(ws, input="Hi", metadata={"k": 1}, stream_id="lane-D")
+        assert event.type == "error" and event.error.param.startswith("metadata"), event
+        assert json.loads(event.model_dump_json())["stream_id"] == "lane-D", event
         ok = await _final_event(ws, input="Say hi.", max_output_tokens=4, temperature=0)
         assert ok.type in ("response.completed", "response.incomplete"), ok  # still serving
     await wait_idle(engine)

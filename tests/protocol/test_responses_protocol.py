@@ -77,6 +77,10 @@ def test_bad_or_unsupported_fields_are_named(fields, code, param) -> None:
         parse_client_frame(create(**body))
     assert (info.value.code, info.value.param, info.value.status) == (code, param, 400)
     SERVER_EVENT.validate_json(encode(info.value.event(0)))  # the documented error shape
+    assert info.value.stream_id is None
+    with pytest.raises(ResponsesError) as on_lane:  # the same refusal on a lane answers there
+        parse_client_frame(create(**body, stream_id="lane-7"))
+    assert (on_lane.value.code, on_lane.value.stream_id) == (code, "lane-7")
 
 
 @pytest.mark.parametrize("frame, code", [
