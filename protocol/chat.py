@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -179,7 +180,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sampling temperature (0 = greedy); default: the server's, from "
                              "the model's generation config")
     parser.add_argument("--max-tokens", type=int, help="most tokens per answer")
-    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY") or None,
+                        help="sent as 'Authorization: Bearer KEY' (default: "
+                             "$CONVEYOR_API_KEY, as the server reads it)")
     return parser.parse_args(argv)
 
 

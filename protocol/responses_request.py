@@ -174,7 +174,11 @@ def _messages(raw: str | list[dict[str, Any]] | None) -> list[ChatMessage]:
                                  param=f"input[{i}].content", code="invalid_type")
         texts = []
         for j, part in enumerate(content):
-            ptype = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(part, dict):
+                raise ResponsesError(f"each content part must be an object with a type, got "
+                                     f"{type(part).__name__}", param=f"input[{i}].content[{j}]",
+                                     code="invalid_type")
+            ptype = part.get("type")
             if ptype not in TEXT_PARTS:
                 raise _unsupported(f"input[{i}].content[{j}].type",
                                    f"content parts of type {ptype!r} (images, files, audio)",

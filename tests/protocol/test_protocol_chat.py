@@ -120,3 +120,13 @@ async def test_rejected_request_leaves_history_unchanged(fake_server: Any) -> No
 def test_summary_leaves_out_missing_timings() -> None:
     line = summary(done("r", "cancelled", 0, Timings(queue_ms=2.0)))
     assert line == "[cancelled · 0 tokens · cached 6/10 prompt tokens]"
+
+
+def test_api_key_defaults_to_the_environment_as_the_server_reads_it(monkeypatch) -> None:
+    from protocol.chat import _parse_args
+
+    monkeypatch.setenv("CONVEYOR_API_KEY", "k-env")
+    assert _parse_args([]).api_key == "k-env"
+    assert _parse_args(["--api-key", "k-flag"]).api_key == "k-flag"
+    monkeypatch.delenv("CONVEYOR_API_KEY")
+    assert _parse_args([]).api_key is None

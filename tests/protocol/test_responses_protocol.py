@@ -69,6 +69,8 @@ def test_what_the_agents_sdk_sends_with_no_tools_is_accepted() -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "unsupported_value", "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}, "bare"]}]},
+     "invalid_type", "input[0].content[1]"),
     ({"input": []}, "missing_required_parameter", "input"),
 ])
 def test_bad_or_unsupported_fields_are_named(fields, code, param) -> None:
