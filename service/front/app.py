@@ -14,7 +14,8 @@
     POST /v1/chat/completions    |
     POST /v1/completions        /
 
-Every route but /health is guarded (service/front/guard.py). `build_app` makes the same
+Every route but /health is guarded (service/front/guard.py); the HTTP routes answer CORS
+(preflights, Access-Control-Allow-Origin) for the allowed Origins. `build_app` makes the same
 app for `conveyor serve` (an Engine behind it) and the Ray ingress (a RemoteEngine).
 """
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -109,5 +112,11 @@ def build_app(engine: EngineClient, config: ServerConfig,
               Route("/", chat_page), Route("/index.html", chat_page),
               WebSocketRoute(STREAM_PATH, stream), WebSocketRoute(RESPONSES_PATH, responses),
               *openai.routes()]
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    # CORS for browser pages calling the HTTP routes (a WebSocket needs none): the Origins
+    # --allowed-origins lists, every one when it lists none (as the guard allows), preflights
+    # answered before the guard (they carry no key); the guard still refuses other Origins.
+    cors = Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins) or ["*"],
+                      allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
+    app = Starlette(routes=routes, middleware=[cors],
+                    exception_handlers={404: not_found, 405: not_allowed})
     return Front(app, sockets, openai)

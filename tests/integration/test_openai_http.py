@@ -250,6 +250,13 @@ def test_sdk_lists_and_retrieves_the_model(server, client):
     assert r.status_code == 401
 
 
+def test_cors_preflight_with_every_origin_allowed(server):
+    r = httpx.options(server.base_url + "/chat/completions", headers={
+        "Origin": "http://any.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.headers
+
+
 def test_tool_message_with_its_call_id_is_served_as_the_tool_turn(client):
     """The openai SDK's typed tool message carries tool_call_id; the chat template renders
     the content alone, so the prompt is the one without the id."""

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 
+import httpx
 import pytest
 import structlog
 import websockets
@@ -327,6 +328,33 @@ async def test_api_key_and_origin_checks_before_the_upgrade(make_server):
         await websockets.connect(f"{server.url}?api_key={KEY}", origin="http://evil.example")
     assert info.value.response.status_code == 403
     assert (await http_get(port, f"/?api_key={KEY}", {"Origin": "http://evil.example"}))[0] == 403
+
+
+async def test_cors_lets_allowed_browser_pages_call_the_http_routes(make_server):
+    engine, server = await make_server(_config(api_key=KEY,
+                                               allowed_origins=("http://good.example:1",)))
+    base = f"http://127.0.0.1:{server.port}"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        r = await http.options("/v1/chat/completions",
+                               headers={"Origin": "http://good.example:1", **preflight})
+        assert r.status_code == 200, r.text  # no key needed for a preflight
+        assert r.headers["access-control-allow-origin"] == "http://good.example:1"
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = await http.options("/v1/chat/completions",
+                               headers={"Origin": "http://evil.example", **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            headers={"Origin": "http://good.example:1", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "http://good.example:1"
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 403  # the guard still refuses a foreign page
 
 
 async def test_api_key_never_reaches_the_logs(make_server, caplog):
