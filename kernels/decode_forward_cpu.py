@@ -22,7 +22,7 @@ SiLU's exp vectorise, as in the decode attention kernel: see CXX_FLAGS), cached 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +78,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("ids", _p), ("positions", _p), ("slots", _p), ("tables", _p),
                 ("table_stride", _i64), ("table_width", _i64), ("seq_lens", _p),
                 ("logits_rows", _p), ("num_logits", _i64), ("logits", _p),
-                ("num_threads", ctypes.c_int)]
+                ("num_threads", ctypes.c_int), ("embedded", _p)]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -159,7 +159,9 @@ class FusedForward:
     Args:
         layers: the decoder layers, in order.
         lm_head: (packed weight, isa) of the LM head.
-        embed: [V, H] float32 embedding; norm: [H] final RMSNorm weight.
+        embed: [V, H] float32 embedding, or a callable with a `shape` (V, H) that maps
+            ids [M] int64 to their rows [M, H] float32 (``BlockEmbedding``), called per step;
+            norm: [H] final RMSNorm weight.
         Each layer's kv: [2, num_blocks, block_size, Hkv, D], float32, float16 or bfloat16 (the
             model's KV cache; all layers one dtype), contiguous.
         cos, sin: [max_position, D/2] float32 rotary tables (rotate-half convention).
@@ -175,12 +177,15 @@ class FusedForward:
     """
 
     def __init__(self, layers: Sequence[FusedLayer], lm_head: tuple[PackedWeight, str],
-                 embed: torch.Tensor, norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  *, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float) -> None:
         vocab, hidden = embed.shape
         kv = layers[0].kv
-        tensors = [embed, norm, cos, sin] + [t for L in layers for t in (L.ln1, L.ln2)]
+        # a callable embedding (a GGUF file's blocks) looks rows up per call
+        self._embed_rows = None if isinstance(embed, torch.Tensor) else embed
+        tensors = ([embed] if self._embed_rows is None else []) + [norm, cos, sin] + \
+            [t for L in layers for t in (L.ln1, L.ln2)]
         caches = [L.kv for L in layers]
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                for t in tensors):
@@ -222,7 +227,8 @@ class FusedForward:
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim,
                              intermediate, vocab, cos.shape[0], kv.shape[1], kv.shape[2],
                              eps, scale, _KV_KINDS[kv.dtype],
-                             ctypes.addressof(self._layers), embed.data_ptr(),
+                             ctypes.addressof(self._layers),
+                             None if self._embed_rows is not None else embed.data_ptr(),
                              norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), _linear(*lm_head),
                              attention)
         self.vocab_size = vocab
@@ -261,10 +267,15 @@ class FusedForward:
         logits = torch.empty(S, self.vocab_size, dtype=torch.float32)
         if M == 0:
             return logits
+        if self._embed_rows is not None:  # looked up here: the kernel copies these rows
+            if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
+                raise ValueError(_error(2))
+            embedded = self._embed_rows(input_ids).contiguous()
         step = _Step(M, input_ids.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
                      block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
                      seq_lens.data_ptr(), logits_indices.data_ptr(), S, logits.data_ptr(),
-                     torch.get_num_threads())
+                     torch.get_num_threads(),
+                     None if self._embed_rows is None else embedded.data_ptr())
         rc = self._lib.conveyor_decode_forward(ctypes.byref(self._model), ctypes.byref(step))
         if rc != 0:
             raise ValueError(_error(rc))

@@ -80,7 +80,8 @@ struct ConveyorModel {
 
 // One step of M rows. tables [M, table_stride] (table_width valid columns), seq_lens [M]:
 // the context each row attends to (its own token included). logits [S, vocab] for the S
-// rows in logits_rows.
+// rows in logits_rows. embedded: the rows' embeddings [M, hidden], looked up by the caller
+// (a model whose embedding is a GGUF file's blocks), or null: rows of the model's embed.
 struct ConveyorStep {
   int64_t rows;
   const int64_t* ids;        // [M]
@@ -93,6 +94,7 @@ struct ConveyorStep {
   int64_t num_logits;
   float* logits;  // [S, vocab]
   int num_threads;
+  const float* embedded;  // [M, hidden] or null
 };
 }
 
@@ -208,7 +210,8 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
   const int64_t block_elems = md.num_blocks * md.block_size * kv_width;
 
   for_rows(M, threads, [&](int64_t m) {
-    std::memcpy(residual + m * H, md.embed + st.ids[m] * H, sizeof(float) * H);
+    const float* e = st.embedded != nullptr ? st.embedded + m * H : md.embed + st.ids[m] * H;
+    std::memcpy(residual + m * H, e, sizeof(float) * H);
     rms_norm_row(residual + m * H, md.layers[0].ln1, md.eps, H, x + m * H);
   });
   int rc = 0;

@@ -61,7 +61,9 @@ def build_fused_forward(model: LlamaModel, kv_caches: list[torch.Tensor], settin
         return {}, "off"
     why = None
     buckets: list[int] = []
-    if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
+    embed = model.embed if model.block_embed is None else model.block_embed
+    if embed.dtype != torch.float32 or (model.embed is not None
+                                        and model.embed.device.type != "cpu"):
         why = "needs float32 on the CPU"
     elif decode_kernel != "cpp":
         why = f"needs the C++ decode attention (decode kernel is {decode_kernel})"
@@ -81,7 +83,7 @@ def build_fused_forward(model: LlamaModel, kv_caches: list[torch.Tensor], settin
                                  ln1=layer.ln1_w, ln2=layer.ln2_w, kv=kv)
                   for layer, kv in zip(model.layers, kv_caches)]
         out[b] = dfc.FusedForward(
-            layers, _cpp_at(model.lm_head, b), model.embed, model.norm_w, model.cos, model.sin,
+            layers, _cpp_at(model.lm_head, b), embed, model.norm_w, model.cos, model.sin,
             num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim, intermediate=model.layers[0].down.in_features,
             eps=model.eps, scale=model.scale)

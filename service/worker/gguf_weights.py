@@ -12,18 +12,19 @@ block type our kernels reproduce exactly becomes a packed weight for them
 | Q8_0 | fp16 d, 32 int8: w = d q | q8_0 | 8.5 |
 
 ggml's block layout (ggml-quants.c, ``block_q4_1`` etc.): byte j of a 4-bit block holds
-weight j in its low nibble and weight j + 16 in its high one. Every other type (K-quants,
-IQ, ...) is served from transformers' dequantized fp32 weights, named in one log line.
-
-llama.cpp's converter permutes the rows of Q and K of Llama-architecture models (rotary
-pairs interleaved); transformers undoes it on load (``LlamaTensorProcessor``), and so do
-we, on whole rows, which keeps the blocks (they run along the input dimension).
+weight j in its low nibble and weight j + 16 in its high one. A weight is read as
+``RawBlocks``: the file's block rows themselves (views of the mapped file, rows in
+transformers' order: ``service.worker.gguf_file``), packed on demand. A type no kernel of
+ours reproduces is served from its dequantized fp32 weight (gguf-py's, ggml's reference),
+named in one log line.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from kernels.quant_pack import PackedWeight, pack_q4_1_blocks, pack_q8_0_blocks
+from service.worker.gguf_file import GGUFFile
 
 if TYPE_CHECKING:
     from service.worker.loader import LoadedModel
@@ -60,6 +62,14 @@ class BlockWeight:
     d: torch.Tensor
     m: torch.Tensor | None
 
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
+
     def pack(self, bias: torch.Tensor | None = None) -> PackedWeight:
         """The packed weight for our kernels (``kernels.quant_pack``)."""
         if self.fmt == "q4_1":
@@ -84,11 +94,10 @@ class BlockWeight:
         return sum(per_block[t] for t in self.gguf_types) * rows * (self.q.shape[1] // BLOCK)
 
 
-def _blocks(tensor) -> BlockWeight:
-    """A Q4_0 / Q4_1 / Q8_0 GGUFReader tensor -> its BlockWeight (rows as in the file)."""
-    name = tensor.tensor_type.name
-    k, n = int(tensor.shape[0]), int(tensor.shape[1])  # ggml: ne0 = input features
-    raw = np.ascontiguousarray(tensor.data).reshape(n, k // BLOCK, -1)   # [N, G, block bytes]
+def _decode(name: str, raw: np.ndarray, k: int) -> BlockWeight:
+    """Raw Q4_0 / Q4_1 / Q8_0 block rows [N, row bytes] -> their BlockWeight."""
+    n = raw.shape[0]
+    raw = np.ascontiguousarray(raw).reshape(n, k // BLOCK, -1)          # [N, G, block bytes]
     d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0])  # [N, G]
     if name == "Q8_0":
         q = torch.from_numpy(raw[..., 2:34].copy().view(np.int8)).reshape(n, k)
@@ -104,37 +113,115 @@ def _blocks(tensor) -> BlockWeight:
     return BlockWeight((name,), "q4_1", q, d, m)
 
 
-def _unpermute(w: BlockWeight, heads: int) -> BlockWeight:
-    """Undo llama.cpp's Q / K row permutation, as transformers' ``_reverse_permute_weights``:
-    the file's rows viewed [heads, dim, 2] are reordered to [heads, 2, dim] (dim = rows per
-    head / 2). E.g. a head of 4 rows, file order 0 1 2 3 -> 0 2 1 3."""
-    n = w.q.shape[0]
-    dim = n // heads // 2
-    order = torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(-1)
-    return BlockWeight(w.gguf_types, w.fmt, w.q[order], w.d[order],
-                       None if w.m is None else w.m[order])
-
-
 def _cat(parts: list[BlockWeight]) -> BlockWeight:
     return BlockWeight(tuple(t for p in parts for t in p.gguf_types), parts[0].fmt,
                        torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                        None if parts[0].m is None else torch.cat([p.m for p in parts]))  # type: ignore[misc]
 
 
-@dataclass(frozen=True)
-class GGUFLinearWeights:
-    """A GGUF file's linear layers in their own formats.
+def served_format(gguf_types: Sequence[str]) -> str | None:
+    """Our packed format for a weight whose parts have these GGUF types (all one format of
+    NATIVE_TYPES), or None: served from its dequantized fp32 weight."""
+    fmts = {NATIVE_TYPES.get(t) for t in gguf_types}
+    return fmts.pop() if len(fmts) == 1 and None not in fmts else None
 
-    native: (layer index, class) -> BlockWeight, for "qkv", "o", "gate_up", "down" of each
-        decoder layer and (None, "lm_head"); only where every part is of a NATIVE_TYPES type
-        of one format.
-    dequantized: (layer index or None, class) -> the GGUF types of the parts, for the
-        layers served from transformers' fp32 weights instead (a type we cannot reproduce,
-        or parts of different formats).
+
+_PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the pages behind a view of a memory-mapped file from this process's resident set
+    (``madvise(MADV_DONTNEED)``; they stay in the page cache and are read again if touched).
+    A no-op for an array that is not file-backed. Pages at the range's ends that it shares
+    with neighbours are dropped too: harmless, a later read brings them back."""
+    base = array
+    while not isinstance(base, np.memmap) and isinstance(base, np.ndarray) \
+            and base.base is not None:
+        base = base.base
+    if not isinstance(base, np.memmap) or array.nbytes == 0:
+        return
+    start = array.ctypes.data // _PAGE * _PAGE
+    end = array.ctypes.data + array.nbytes
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
+
+
+@dataclass(frozen=True, eq=False)
+class RawBlocks:
+    """One linear weight as the file's own block rows, rows in the model's (transformers')
+    order: what is served (``pack``) and the oracle's weight (``dequantize``).
+
+    gguf_types: the file's type of each part (e.g. ("Q4_K", "Q4_K", "Q6_K") for a fused
+        qkv whose v is Q6_K). raw: per part, [N_i, row bytes] uint8: views of the
+        memory-mapped file (no copy), or a copy where rows were reordered (Q / K).
+    in_features: K, the weights a row holds.
     """
 
-    native: Mapping[tuple[int | None, str], BlockWeight]
-    dequantized: Mapping[tuple[int | None, str], tuple[str, ...]]
+    gguf_types: tuple[str, ...]
+    raw: tuple[np.ndarray, ...]
+    in_features: int
+
+    @property
+    def fmt(self) -> str | None:
+        """The packed format serving it (``served_format``), None: served dequantized."""
+        return served_format(self.gguf_types)
+
+    @property
+    def out_features(self) -> int:
+        return sum(r.shape[0] for r in self.raw)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the weight takes in the file."""
+        return sum(r.nbytes for r in self.raw)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: the file's weight as gguf-py (ggml's reference) dequantizes it."""
+        import gguf
+
+        parts = [gguf.quants.dequantize(np.ascontiguousarray(r), gguf.GGMLQuantizationType[t])
+                 for t, r in zip(self.gguf_types, self.raw)]
+        w = np.concatenate([p.reshape(-1, self.in_features) for p in parts])
+        return torch.from_numpy(w.astype(np.float32, copy=False))
+
+    def decoded(self) -> BlockWeight:
+        """The weight in NATIVE_TYPES' decoded form (q, d, m). Raises ValueError for
+        another type or a mix of formats."""
+        if self.fmt is None:
+            raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
+        return _cat([_decode(t, r, self.in_features) for t, r in zip(self.gguf_types, self.raw)])
+
+    def pack(self, bias: torch.Tensor | None = None) -> PackedWeight:
+        """The packed weight for our kernels (``kernels.quant_pack``), equal to
+        ``dequantize()`` bit for bit. Raises ValueError where ``fmt`` is None."""
+        return self.decoded().pack(bias)
+
+    def release(self) -> None:
+        """Drop the file's pages behind it from the resident set (``release_pages``)."""
+        for r in self.raw:
+            release_pages(r)
+
+
+@dataclass(frozen=True)
+class GGUFLinearWeights:
+    """A GGUF file's linear layers in their own blocks.
+
+    layers: (layer index or None for the LM head, class) -> RawBlocks, for "qkv", "o",
+        "gate_up", "down" of each decoder layer and (None, "lm_head").
+    """
+
+    layers: Mapping[tuple[int | None, str], RawBlocks]
+
+    @property
+    def native(self) -> dict[tuple[int | None, str], RawBlocks]:
+        """The layers our kernels serve in their own format (``RawBlocks.fmt``)."""
+        return {k: v for k, v in self.layers.items() if v.fmt is not None}
+
+    @property
+    def dequantized(self) -> dict[tuple[int | None, str], tuple[str, ...]]:
+        """The other layers (a type we cannot reproduce, or parts of different formats) ->
+        their parts' GGUF types: served from their dequantized fp32 weights."""
+        return {k: v.gguf_types for k, v in self.layers.items() if v.fmt is None}
 
     def dequantized_types(self) -> Counter[str]:
         """GGUF type -> number of linear layers it made be served dequantized."""
@@ -143,47 +230,30 @@ class GGUFLinearWeights:
 
 
 def read_linear_weights(path: str, num_layers: int, num_heads: int,
-                        num_kv_heads: int) -> GGUFLinearWeights:
-    """Read the linear layers of the Llama-family GGUF file at `path` in their own formats.
+                        num_kv_heads: int, file: GGUFFile | None = None) -> GGUFLinearWeights:
+    """Read the linear layers of the Llama-family GGUF file at `path` in their own blocks
+    (views of the mapped file: nothing is copied but Q / K rows, which are reordered).
 
     The LM head is ``output.weight``, or the token embedding (``token_embd``) when the file
     has none (tied, as transformers decides). Raises ValueError when a tensor the model
     needs is missing.
     """
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else "llama"
-    permute = arch == "llama"  # transformers' LlamaTensorProcessor
-
-    def part(name: str, heads: int | None = None) -> BlockWeight | str:
-        if name not in tensors:
-            raise ValueError(f"{path}: no tensor {name}")
-        t = tensors[name]
-        if t.tensor_type.name not in NATIVE_TYPES:
-            return t.tensor_type.name
-        w = _blocks(t)
-        return _unpermute(w, heads) if permute and heads else w
-
-    native: dict[tuple[int | None, str], BlockWeight] = {}
-    dequantized: dict[tuple[int | None, str], tuple[str, ...]] = {}
-
-    def add(key: tuple[int | None, str], parts: list[BlockWeight | str]) -> None:
-        blocks = [p for p in parts if isinstance(p, BlockWeight)]
-        if len(blocks) == len(parts) and len({p.fmt for p in blocks}) == 1:
-            native[key] = _cat(blocks) if len(blocks) > 1 else blocks[0]
-        else:
-            dequantized[key] = tuple(p if isinstance(p, str) else p.gguf_types[0] for p in parts)
-
+    f = file or GGUFFile(path)
     heads_of = {"attn_q": num_heads, "attn_k": num_kv_heads}
+    layers: dict[tuple[int | None, str], RawBlocks] = {}
     for i in range(num_layers):
         for cls, names in CLASS_PARTS.items():
-            add((i, cls), [part(f"blk.{i}.{n}.weight", heads_of.get(n)) for n in names])
-    add((None, "lm_head"), [part("output.weight" if "output.weight" in tensors
-                                 else "token_embd.weight")])
-    return GGUFLinearWeights(native, dequantized)
+            parts = [f.raw(f"blk.{i}.{n}.weight", heads_of.get(n)) for n in names]
+            layers[(i, cls)] = _linear(parts, f"layer {i} {cls}")
+    layers[(None, "lm_head")] = _linear([f.raw(f.lm_head_name())], "the LM head")
+    return GGUFLinearWeights(layers)
+
+
+def _linear(parts: list[tuple[str, np.ndarray, int]], what: str) -> RawBlocks:
+    ks = {k for _, _, k in parts}
+    if len(ks) != 1:
+        raise ValueError(f"{what}: parts differ in input features {sorted(ks)}")
+    return RawBlocks(tuple(t for t, _, _ in parts), tuple(r for _, r, _ in parts), ks.pop())
 
 
 def linear_weights_of(loaded: LoadedModel, *, keep: bool) -> GGUFLinearWeights | None:

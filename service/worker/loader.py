@@ -44,6 +44,15 @@ class LoadedModel:
     gguf_linear: object = field(default=None, repr=False, compare=False)
     """``service.worker.gguf_weights.GGUFLinearWeights`` once read (``linear_weights_of``):
     runners built over one LoadedModel (tests, benchmarks) read the file once."""
+    embedding: object = field(default=None, repr=False, compare=False)
+    """``service.worker.block_embedding.BlockEmbedding`` where the weights were read as the
+    file's blocks (``load_model(..., blocks=True)``); then `weights` holds only the norms
+    and biases, and `gguf_linear` every linear layer."""
+
+    @property
+    def blocks_only(self) -> bool:
+        """Whether the linear weights exist only as the file's blocks (no dense copy)."""
+        return self.embedding is not None
 
 
 def default_model_path() -> str:
@@ -101,8 +110,14 @@ def _source(path: str) -> tuple[str, dict]:
     raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with config.json")
 
 
-def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
+               blocks: bool = False) -> LoadedModel:
     """Load config, tokenizer and weights (on CPU) for the model at `path`.
+
+    blocks: for a GGUF file, read the weights as the file's own blocks
+        (``service.worker.gguf_model``): no fp32 copy of the model is made, and memory is
+        about the file's size. Otherwise (and for an HF folder) transformers loads dense
+        weights in `dtype` (a GGUF file dequantized to it).
 
     Raises FileNotFoundError for a missing path, ValueError for an unsupported architecture,
     RuntimeError where Hugging Face's `kernels` package shadows ours (``check_no_hub_kernels``).
@@ -113,24 +128,30 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
     path = path or default_model_path()
     folder, kw = _source(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    blocks = blocks and "gguf_file" in kw
     # a GGUF file parsed once for the three (gguf_parse.py); no tqdm redraws in a log file
     with shared_gguf_parse(), quiet_progress_bars():
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{path}: model_type {config.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        check_architecture(path, config)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-        hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
-                                                  config=config, **kw)
-    rotary = hf.model.rotary_emb
+        if blocks:
+            from service.worker.gguf_model import read_gguf_model
+
+            hf = None
+            weights, linear, embedding = read_gguf_model(path, config)
+            rotary = rotary_embedding(config)
+            generation_eos = _generation_eos(folder, kw)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                      config=config, **kw)
+            rotary = hf.model.rotary_emb
+            weights = {k: v.detach() for k, v in hf.state_dict().items()}
+            linear = embedding = None
+            generation_eos = getattr(hf.generation_config, "eos_token_id", None)
     if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
-    weights = {k: v.detach() for k, v in hf.state_dict().items()}
     eos: set[int] = set()
-    for src in (config.eos_token_id, getattr(hf.generation_config, "eos_token_id", None),
-                tokenizer.eos_token_id):
+    for src in (config.eos_token_id, generation_eos, tokenizer.eos_token_id):
         if isinstance(src, int):
             eos.add(src)
         elif src:
@@ -144,4 +165,37 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
         attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         eos_token_ids=frozenset(eos),
         gguf_path=str(Path(path).resolve()) if "gguf_file" in kw else None,
+        gguf_linear=linear,
+        embedding=embedding,
     )
+
+
+def check_architecture(path: str, config: object) -> None:
+    """Raises ValueError, naming the supported families, for a model_type we do not serve."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def rotary_embedding(config: object) -> torch.nn.Module:
+    """The family's own rotary embedding module, built from the config alone (its
+    ``inv_freq`` and ``attention_scaling``: rope scaling as transformers computes it)."""
+    import importlib
+
+    model_type = config.model_type  # type: ignore[attr-defined]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[model_type]
+    return getattr(module, f"{prefix}RotaryEmbedding")(config=config)
+
+
+def _generation_eos(folder: str, kw: dict) -> object:
+    """The generation config's eos_token_id (what transformers' model load would read)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(folder, local_files_only=True, **kw).eos_token_id
+    except (OSError, ValueError):
+        return None

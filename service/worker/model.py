@@ -28,6 +28,7 @@ from kernels import KernelOps
 from kernels.attention_metadata import AttentionMetadata
 from service.worker.loader import LoadedModel
 from service.worker.quantization import AmaxObserver, DenseLinear, Linear
+from service.worker.quantization.linear import PendingLinear
 from service.worker.quantization.census import LAYER_CLASSES
 from service.worker.quantization.plan import bucket_index
 from service.worker.quantization.smoothing import fold_smoothing
@@ -77,28 +78,51 @@ class LlamaModel:
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in w else None
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return DenseLinear(weight, bias)
+        def cat_bias(names: list[str], sizes: list[int]) -> torch.Tensor | None:
+            """The parts' biases concatenated (zeros for a part without one), or None."""
+            parts = [maybe(n) for n in names]
+            if all(b is None for b in parts):
+                return None
+            return torch.cat([b if b is not None else torch.zeros(n, device=device, dtype=dtype)
+                              for b, n in zip(parts, sizes)])
 
+        blocks = loaded.gguf_linear if loaded.blocks_only else None
+
+        def linear(key: tuple[int | None, str], weight_names: list[str],
+                   bias: torch.Tensor | None) -> Linear:
+            if blocks is not None:  # the file's own blocks: a kernel is put on them later
+                return PendingLinear(blocks.layers[key], bias)  # type: ignore[attr-defined]
+            return DenseLinear(torch.cat([get(n) for n in weight_names]), bias)
+
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        inter = cfg.intermediate_size
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            biases = [maybe(a + f"{x}_proj.bias") for x in "qkv"]
+            m = p + "mlp."
             self.layers.append(_Layer(
-                qkv=linear(torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
-                           torch.cat(biases) if all(b is not None for b in biases) else None),
-                o=linear(get(a + "o_proj.weight")),
-                gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                          get(p + "mlp.up_proj.weight")])),
-                down=linear(get(p + "mlp.down_proj.weight")),
+                qkv=linear((i, "qkv"), [a + f"{x}_proj.weight" for x in "qkv"],
+                           cat_bias([a + f"{x}_proj.bias" for x in "qkv"],
+                                    [Hq * D, Hkv * D, Hkv * D])),
+                o=linear((i, "o"), [a + "o_proj.weight"], maybe(a + "o_proj.bias")),
+                gate_up=linear((i, "gate_up"), [m + "gate_proj.weight", m + "up_proj.weight"],
+                               cat_bias([m + "gate_proj.bias", m + "up_proj.bias"],
+                                        [inter, inter])),
+                down=linear((i, "down"), [m + "down_proj.weight"], maybe(m + "down_proj.bias")),
                 ln1_w=get(p + "input_layernorm.weight"),
                 ln2_w=get(p + "post_attention_layernorm.weight"),
             ))
-        self.embed = get("model.embed_tokens.weight")                   # [V, H]
         self.norm_w = get("model.norm.weight")                          # [H]
-        lm_head = maybe("lm_head.weight")
-        self.lm_head = linear(self.embed if lm_head is None else lm_head)  # tied: [V, H]
+        # [V, H] float32 table, or the file's blocks (rows dequantized when looked up)
+        self.embed: torch.Tensor | None = None
+        self.block_embed = loaded.embedding if loaded.blocks_only else None
+        if self.block_embed is None:
+            self.embed = get("model.embed_tokens.weight")
+            lm_head = maybe("lm_head.weight")
+            self.lm_head: Linear = DenseLinear(self.embed if lm_head is None else lm_head)
+        else:
+            self.lm_head = linear((None, "lm_head"), [], None)
         # rotary tables: [max_position, D/2], the Llama rotate-half convention
         pos = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, loaded.inv_freq.float())
@@ -131,23 +155,32 @@ class LlamaModel:
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Per linear shape class ("qkv", "o", "gate_up", "down", "lm_head"): the first
-        layer's dense weight [N, K] and bias [N] or None (what kernel choice times)."""
+        layer's dense weight [N, K] (dequantized from its blocks where the model holds only
+        those) and bias [N] or None (what kernel choice times)."""
         first = self.layers[0]
         out = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")}
         out["lm_head"] = self.lm_head
         for n, lin in out.items():
-            if not isinstance(lin, DenseLinear):
+            if not isinstance(lin, (DenseLinear, PendingLinear)):
                 raise ValueError(f"{n} is already quantized")
-        return {n: (lin.weight, lin.bias) for n, lin in out.items()}
+        return {n: (lin.weight if isinstance(lin, DenseLinear) else lin.blocks.dequantize(),
+                    lin.bias) for n, lin in out.items()}
 
-    def quantize(self, make_linear: Callable[[str, torch.Tensor, torch.Tensor | None, int | None],
-                                             Linear],
+    @property
+    def blocks_only(self) -> bool:
+        """Whether the linear layers are a checkpoint's blocks awaiting their kernels."""
+        return isinstance(self.lm_head, PendingLinear)
+
+    def quantize(self, make_linear: Callable[[str, torch.Tensor | None, torch.Tensor | None,
+                                              int | None], Linear],
                  mode: str | None, observed: list[dict[str, AmaxObserver]] | None = None,
                  smooth: Collection[str] = ()) -> None:
-        """Replace every dense linear layer (LM head included) by
+        """Replace every linear layer (LM head included) by
         ``make_linear(class, weight, bias, layer index or None for the LM head)``, after
         folding SmoothQuant factors into the
         inputs of the classes in `smooth` (those served by activation-quantizing paths).
+        A model read as a checkpoint's blocks (``blocks_only``) passes weight None: the plan
+        finds the layer's blocks itself; each layer's file pages are released once served.
 
         mode: the model's quantization label afterwards (None: still fp32 weights).
         observed: from `observe_linear_inputs` after a forward over calibration text
@@ -155,13 +188,28 @@ class LlamaModel:
             head (tied to the embedding) is never smoothed.
 
         Raises:
-            ValueError: the model is not dense fp32 on the CPU, or a smoothed layer saw no
-                calibration input.
+            ValueError: the model is not dense fp32 on the CPU nor blocks, or a smoothed
+                layer saw no calibration input, or smoothing is asked of blocks.
         """
-        if self.quantization is not None or self.embed.dtype != torch.float32 or \
-                self.embed.device.type != "cpu" or not isinstance(self.lm_head, DenseLinear):
-            raise ValueError("quantization needs a dense float32 model on the CPU")
         smooth = frozenset(smooth) - {"lm_head"}
+        if self.blocks_only:
+            if self.quantization is not None or smooth:
+                raise ValueError("a model read as blocks takes one plan, without smoothing")
+            for i, layer in enumerate(self.layers):
+                for n in LAYER_CLASSES:
+                    lin = getattr(layer, n)
+                    setattr(layer, n, make_linear(n, None, lin.bias, i))
+                    lin.blocks.release()
+            head = self.lm_head
+            self.lm_head = make_linear("lm_head", None, None, None)
+            head.blocks.release()  # type: ignore[attr-defined]
+            self.quantization = mode
+            self.fused = {}
+            return
+        if self.quantization is not None or self.embed is None or \
+                self.embed.dtype != torch.float32 or self.embed.device.type != "cpu" or \
+                not isinstance(self.lm_head, DenseLinear):
+            raise ValueError("quantization needs a dense float32 model on the CPU")
         if smooth and observed is None:
             raise ValueError(f"smoothing {sorted(smooth)} needs observed calibration inputs")
         for i, layer in enumerate(self.layers):
@@ -171,17 +219,25 @@ class LlamaModel:
             w = fold_smoothing(
                 {"qkv_w": inner["qkv"].weight, "qkv_b": inner["qkv"].bias,
                  "o_w": inner["o"].weight, "gate_up_w": inner["gate_up"].weight,
+                 "gate_up_b": inner["gate_up"].bias,
                  "down_w": inner["down"].weight, "ln1_w": layer.ln1_w, "ln2_w": layer.ln2_w},
                 {n: o.amax for n, o in obs.items()}, smooth,
                 self.num_heads, self.num_kv_heads, self.head_dim, where=f"layer {i}")
             layer.qkv = make_linear("qkv", w["qkv_w"], w["qkv_b"], i)
-            layer.o = make_linear("o", w["o_w"], None, i)
-            layer.gate_up = make_linear("gate_up", w["gate_up_w"], None, i)
-            layer.down = make_linear("down", w["down_w"], None, i)
+            layer.o = make_linear("o", w["o_w"], inner["o"].bias, i)
+            layer.gate_up = make_linear("gate_up", w["gate_up_w"], w["gate_up_b"], i)
+            layer.down = make_linear("down", w["down_w"], inner["down"].bias, i)
             layer.ln1_w, layer.ln2_w = w["ln1_w"], w["ln2_w"]
         self.lm_head = make_linear("lm_head", self.lm_head.weight, self.lm_head.bias, None)
         self.quantization = mode
         self.fused = {}  # built over the old linears: the runner builds it anew
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> their embeddings [T, H] float32."""
+        if self.block_embed is not None:
+            return self.block_embed(input_ids)
+        assert self.embed is not None
+        return F.embedding(input_ids, self.embed)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token over all layers."""
@@ -206,7 +262,7 @@ class LlamaModel:
         ops, eps = self.ops, self.eps
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = ops.rotary_tables(self.cos, self.sin, positions)    # gathered: [T, ..D/2]
-        h = F.embedding(input_ids, self.embed)                         # [T, H]
+        h = self.embed_tokens(input_ids)                               # [T, H]
         residual = h
         x = ops.rms_norm(h, self.layers[0].ln1_w, eps)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):

@@ -86,7 +86,11 @@ class ModelRunner:
         self.quantization = mc.quantization if mc.quantization != "auto" or (
             self.device.type == "cpu" and self.dtype == torch.float32) else None
         with shared_gguf_parse():  # a GGUF file parsed once for transformers and our blocks
-            self.loaded = loaded or load_model(mc.model, self.dtype)
+            # auto on the CPU: a GGUF file's linear layers are read as its blocks, never as
+            # dense fp32 (memory about the file's size); other modes need dense weights
+            self.loaded = loaded or load_model(
+                mc.model, self.dtype, blocks=self.quantization in ("auto", "auto-a8")
+                and self.device.type == "cpu")
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
                 if self.quantization in ("auto", "auto-a8") else None

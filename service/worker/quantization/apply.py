@@ -40,11 +40,28 @@ def verified_natives(model: LlamaModel, gguf: GGUFLinearWeights
             log.warning("quantization auto: layer %s %s's GGUF blocks (%s) do not give "
                         "transformers' weights; serving it dequantized", key[0], key[1],
                         "/".join(blocks.gguf_types))
-    for gguf_type, n in sorted(gguf.dequantized_types().items()):
-        log.warning("quantization auto: GGUF block type %s has no kernel of ours that "
-                    "reproduces it: %d linear layer(s) served dequantized (fp32 weights)",
-                    gguf_type, n)
+    log_dequantized(gguf)
     return ok
+
+
+def log_dequantized(gguf: GGUFLinearWeights) -> None:
+    """One warning per GGUF block type that no kernel of ours reproduces: the layers it
+    makes be served from dequantized fp32 weights, and the memory that costs beyond the
+    file's bytes."""
+    by_type: dict[str, list[tuple[int | None, str]]] = {}
+    for key, blocks in gguf.layers.items():
+        if blocks.fmt is None:
+            for t in sorted(set(blocks.gguf_types)):
+                by_type.setdefault(t, []).append(key)
+    for gguf_type, keys in sorted(by_type.items()):
+        extra = sum(4 * gguf.layers[k].out_features * gguf.layers[k].in_features
+                    - gguf.layers[k].file_bytes for k in keys)
+        names = ", ".join("lm_head" if i is None else f"{i}.{c}" for i, c in keys[:6])
+        more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+        log.warning("quantization auto: GGUF block type %s has no kernel of ours that "
+                    "reproduces it: %d linear layer(s) (%s%s) served dequantized (fp32 "
+                    "weights), %.1f MB more than the file's blocks", gguf_type, len(keys),
+                    names, more, extra / 1e6)
 
 
 def served_formats(model: LlamaModel,
@@ -88,13 +105,22 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
             C++ kernels).
     """
-    natives = (verified_natives(model, gguf) if gguf is not None and mode in ("auto", "auto-a8")
-               else {})
+    blocks_only = model.blocks_only
+    if blocks_only and (gguf is None or mode not in ("auto", "auto-a8")):
+        raise ValueError("a model read as a GGUF file's blocks is served in quantization "
+                         "auto or auto-a8, with its blocks")
+    if blocks_only:  # nothing dense to check against: tests check the blocks (the oracle)
+        natives = dict(gguf.native)  # type: ignore[union-attr]
+        log_dequantized(gguf)  # type: ignore[arg-type]
+    else:
+        natives = (verified_natives(model, gguf) if gguf is not None
+                   and mode in ("auto", "auto-a8") else {})
     first = {c: natives[(0, c)] for c in CLASSES if (0, c) in natives}
     if (None, "lm_head") in natives:
         first["lm_head"] = natives[(None, "lm_head")]
     plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
-                       batch_invariant, natives=first, fused_rows=fused_rows)
+                       batch_invariant, natives=first, fused_rows=fused_rows,
+                       native_only=blocks_only)
     plan = dataclasses.replace(plan, natives=natives)
     # the whole timing table is a few KB: --log-level debug shows it, info the summary below
     log.debug("%s\n  (%s)", plan.table(), machine_note())

@@ -283,12 +283,15 @@ def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
 
 
 def class_paths(paths: Sequence[LinearPath], lw: LayerWeights,
-                batch_invariant: bool) -> list[LinearPath]:
+                batch_invariant: bool, native_only: bool = False) -> list[LinearPath]:
     """The paths among `paths` that can serve the layer `lw` (a native q4_1 / q8_0 path
     needs its blocks); batch-invariant: only those with the first one's numerics (the
     candidates list the layer's native format before f32), so that every bucket computes
-    the same bits."""
+    the same bits. native_only: a layer with native blocks takes only paths over them
+    (no dense copy of its weight is ever made)."""
     ok = [p for p in paths if p.accepts(lw)]
+    if native_only and lw.native is not None:
+        ok = [p for p in ok if p.native is not None]
     return [p for p in ok if p.numerics == ok[0].numerics] if batch_invariant and ok else ok
 
 
@@ -297,7 +300,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 timer: Timer | None = None, use_cache: bool = True,
                 int4_group: int | None = None,
                 natives: Mapping[str, BlockWeight] | None = None,
-                fused_rows: int = 0) -> LinearPlan:
+                fused_rows: int = 0, native_only: bool = False) -> LinearPlan:
     """Measure and choose a path per (shape class, row bucket).
 
     Args:
@@ -314,6 +317,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
             within ``FUSION_SLACK`` of the fastest path: the fused forward
             (``service.worker.fused_forward``) serves a bucket only where every class is a
             C++ kernel, and saves more than that per step. 0: plain fastest.
+        native_only: a class with native blocks is offered only the paths over them
+            (``class_paths``): the model holds no dense copy of such layers.
 
     Raises:
         ValueError: no candidate can run here, or none is correct for some class.
@@ -336,7 +341,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
         lw = lws[cls] = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
-        mine = class_paths(usable, lw, batch_invariant)
+        mine = class_paths(usable, lw, batch_invariant, native_only)
         errors[cls] = {p.name: relative_errors(p, lw) for p in mine}
         saturation[cls] = _probe(cls, weight.shape, [p for p in mine if needs_probe(p)],
                                  bound)

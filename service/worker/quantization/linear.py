@@ -46,3 +46,24 @@ def check_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         raise ValueError(f"weight must be [out, in], got shape {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [out] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+
+
+class PendingLinear:
+    """A layer read as a checkpoint's own blocks, before the linear plan puts a kernel on it
+    (``LlamaModel.quantize``): it holds the blocks and the bias, and runs nothing.
+
+    Args:
+        blocks: ``service.worker.gguf_weights.RawBlocks`` (``out_features``,
+            ``in_features``, ``dequantize()``); bias: [out] float32 or None.
+    """
+
+    __slots__ = ("blocks", "bias", "in_features", "out_features")
+
+    def __init__(self, blocks: object, bias: torch.Tensor | None = None) -> None:
+        self.blocks, self.bias = blocks, bias
+        self.out_features = blocks.out_features  # type: ignore[attr-defined]
+        self.in_features = blocks.in_features  # type: ignore[attr-defined]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this layer's blocks have no kernel yet: the linear plan "
+                           "(LlamaModel.quantize) has not run")

@@ -60,7 +60,9 @@ from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.torch_int8 import Int8Linear
 
 if TYPE_CHECKING:
-    from service.worker.gguf_weights import BlockWeight
+    from service.worker.gguf_weights import BlockWeight, RawBlocks
+
+    NativeBlocks = BlockWeight | RawBlocks
 
 MODES = ("none", "int8", "int4", "auto", "auto-a8")
 INT4_GROUP = 32
@@ -169,14 +171,34 @@ class LayerWeights:
     paths share built once on first use (e.g. the int8 packing serves both C++ builds and
     the dequantizing path).
 
-    native: the checkpoint's own blocks of this weight (a GGUF Q4_0 / Q4_1 / Q8_0 tensor,
-    ``service.worker.gguf_weights.BlockWeight``), whose dequantization is `weight`; None
-    for a dense checkpoint or a block type served dequantized."""
+    native: the checkpoint's own blocks of this weight (a GGUF tensor whose type our kernels
+    serve: ``service.worker.gguf_weights.RawBlocks`` or ``BlockWeight``), whose
+    dequantization is `weight`; None for a dense checkpoint or a block type served
+    dequantized. weight may be None where native is given: it is then dequantized from the
+    blocks on first use (only a path that is not native needs it)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 int4_group: int = INT4_GROUP, native: BlockWeight | None = None) -> None:
-        self.weight, self.bias, self.int4_group = weight, bias, int4_group
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 int4_group: int = INT4_GROUP, native: NativeBlocks | None = None) -> None:
+        if weight is None and native is None:
+            raise ValueError("a layer needs its weight or its native blocks")
+        self._weight, self.bias, self.int4_group = weight, bias, int4_group
         self.native = native
+
+    @functools.cached_property
+    def weight(self) -> torch.Tensor:
+        """[N, K] float32: as given, or the native blocks dequantized."""
+        if self._weight is not None:
+            return self._weight
+        assert self.native is not None
+        return self.native.dequantize()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): output and input features."""
+        if self._weight is not None:
+            return tuple(self._weight.shape)  # type: ignore[return-value]
+        assert self.native is not None
+        return self.native.out_features, self.native.in_features
 
     @property
     def native_fmt(self) -> str | None:

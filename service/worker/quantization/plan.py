@@ -107,9 +107,10 @@ class LinearPlan:
         """The plan without its natives (their unpacked values are not kept once packed)."""
         return dataclasses.replace(self, natives={})
 
-    def make_linear(self, cls: str, weight: torch.Tensor, bias: torch.Tensor | None,
+    def make_linear(self, cls: str, weight: torch.Tensor | None, bias: torch.Tensor | None,
                     layer: int | None = None) -> Linear:
-        """The Linear for one layer of class `cls` ([N, K] float32 weight, [N] bias or None;
+        """The Linear for one layer of class `cls` ([N, K] float32 weight, or None where the
+        layer has native blocks, dequantized only if a path needs them; [N] bias or None;
         layer: its decoder layer index, None for the LM head, which finds its native blocks
         in ``natives``): the chosen path itself when
         every bucket shares it, else a DispatchLinear. Paths over the same packed form share
@@ -128,7 +129,8 @@ class LinearPlan:
                 bound[name] = PATHS[name].bind(lw)
         if len(bound) == 1:
             return bound[names[0]]  # type: ignore[return-value]
-        return DispatchLinear([bound[n] for n in names], names, weight.shape[1], weight.shape[0])
+        n, k = lw.shape
+        return DispatchLinear([bound[n] for n in names], names, k, n)
 
     def smoothed_classes(self) -> frozenset[str]:
         """Decoder-layer classes served by an activation-quantizing path at some bucket: the

@@ -86,7 +86,9 @@ def fold_smoothing(weights: Mapping[str, torch.Tensor | None],
 
     Args:
         weights: "qkv_w" [(Hq + 2 Hkv) D, H], "qkv_b" [(Hq + 2 Hkv) D] or None, "o_w"
-            [H, Hq D], "gate_up_w" [2 I, H], "down_w" [H, I], "ln1_w", "ln2_w" [H].
+            [H, Hq D], "gate_up_w" [2 I, H], "gate_up_b" [2 I] or None (may be absent),
+            "down_w" [H, I], "ln1_w", "ln2_w" [H]. (o's and down's biases are per output:
+            no factor touches them.)
         act_amax: class -> [in] max |x| seen on calibration text (``AmaxObserver.amax``).
 
     Returns:
@@ -117,6 +119,9 @@ def fold_smoothing(weights: Mapping[str, torch.Tensor | None],
     if "down" in smooth:
         s = smoothing_factors(act_amax["down"], down_w.abs().amax(0))  # type: ignore[arg-type]
         gate_up_w[gate_up_w.shape[0] // 2:] /= s[:, None]  # the up half
+        gate_up_b = w.get("gate_up_b")
+        if gate_up_b is not None:  # mlp_bias: up's bias scales with its rows
+            gate_up_b[gate_up_b.shape[0] // 2:] /= s
         down_w *= s
     if "o" in smooth:
         # [Hq D] -> [Hkv, G, D] -> max over the G heads that share a V channel
