@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,13 +112,19 @@ def _source(path: str) -> tuple[str, dict]:
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
-               blocks: bool = False) -> LoadedModel:
+               blocks: bool = False,
+               before_weights: Callable[[object, object | None, int], None] | None = None
+               ) -> LoadedModel:
     """Load config, tokenizer and weights (on CPU) for the model at `path`.
 
     blocks: for a GGUF file, read the weights as the file's own blocks
         (``service.worker.gguf_model``): no fp32 copy of the model is made, and memory is
         about the file's size. Otherwise (and for an HF folder) transformers loads dense
         weights in `dtype` (a GGUF file dequantized to it).
+    before_weights: called as ``(config, blocks, embedding bytes)`` before any large
+        allocation (the dense weights' load; the packing of blocks, which the caller does):
+        blocks the ``GGUFLinearWeights`` where read as blocks, else None. It may raise
+        (``service.worker.memory_fit.check_fits``) to refuse a model that cannot fit.
 
     Raises FileNotFoundError for a missing path, ValueError for an unsupported architecture,
     RuntimeError where Hugging Face's `kernels` package shadows ours (``check_no_hub_kernels``).
@@ -139,9 +146,13 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
 
             hf = None
             weights, linear, embedding = read_gguf_model(path, config)
+            if before_weights is not None:
+                before_weights(config, linear, embedding.nbytes)
             rotary = rotary_embedding(config)
             generation_eos = _generation_eos(folder, kw)
         else:
+            if before_weights is not None:
+                before_weights(config, None, 0)
             hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
                                                       config=config, **kw)
             rotary = hf.model.rotary_emb

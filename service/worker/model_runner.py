@@ -19,7 +19,8 @@ from kernels import AttentionLayout, AttentionMetadata, resolve_backend, select_
 from service.core.config import EngineConfig
 from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
-from service.worker.loader import LoadedModel, load_model
+from service.worker.loader import LoadedModel, default_model_path, load_model, model_name
+from service.worker.memory_fit import MemoryNeed, check_fits, weights_need
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
 from service.worker.weight_pages import packed_weights_on_huge_pages
@@ -90,7 +91,8 @@ class ModelRunner:
             # dense fp32 (memory about the file's size); other modes need dense weights
             self.loaded = loaded or load_model(
                 mc.model, self.dtype, blocks=self.quantization in ("auto", "auto-a8")
-                and self.device.type == "cpu")
+                and self.device.type == "cpu",
+                before_weights=lambda *a: self._check_fits(config, *a))
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
                 if self.quantization in ("auto", "auto-a8") else None
@@ -151,6 +153,27 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; swap space %d blocks",
                  self.num_blocks, cc.block_size, str(self.kv_dtype).removeprefix("torch."),
                  self.kv_cache_bytes / 2**20, self.num_swap_blocks)
+
+    def _check_fits(self, config: EngineConfig, hf_config: object, blocks: object | None,
+                    embedding_bytes: int) -> None:
+        """Refuse (ModelDoesNotFit) a model whose weights, KV cache and swap space need more
+        memory than is available, before any of it is allocated (CPU only: a GPU's memory is
+        not this process's RAM)."""
+        if self.device.type != "cpu":
+            return
+        cc = config.cache
+        heads = hf_config.num_attention_heads  # type: ignore[attr-defined]
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads  # type: ignore[attr-defined]
+        per_block = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads  # type: ignore[attr-defined]
+                     * head_dim * self.kv_dtype.itemsize * cc.block_size)
+        kv = per_block * cc.num_kv_blocks if cc.num_kv_blocks else \
+            per_block * max(2, cc.kv_cache_memory // per_block)
+        dtype_scale = 1 if blocks is not None else self.dtype.itemsize / 4
+        weights, transient = weights_need(hf_config, blocks, embedding_bytes)
+        check_fits(MemoryNeed(int(weights * dtype_scale), kv,
+                              int(cc.swap_space * (1 << 30)) // per_block * per_block,
+                              int(transient * dtype_scale)),
+                   model_name(config.model.model or default_model_path()))
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:

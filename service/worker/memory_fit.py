@@ -1,0 +1,177 @@
+"""Will the model fit? The memory a model needs, checked against what this process may use,
+before anything large is allocated (start-up refuses, with what is needed and which flag
+lowers it, instead of dying in an allocation or under the kernel's OOM killer).
+
+Available memory: the smaller of the kernel's ``MemAvailable`` (``/proc/meminfo``) and the
+room the memory limits of this process's cgroup and its ancestors leave (``cgroup_room``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+BITS_PER_WEIGHT = {"q4_1": 5.0, "q8_0": 8.5, "f32": 32.0}
+"""Bits a weight each packed format takes (scales included), for the estimate; a layer with
+no format of ours is served as fp32 (32 bits)."""
+
+
+class ModelDoesNotFit(ValueError):
+    """The model's weights plus the requested KV cache need more memory than is available."""
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a served model needs, by part. transient: held only while loading (e.g. the
+    dense copies of one layer of each class while kernels are timed)."""
+
+    weights: int
+    kv_cache: int
+    swap_space: int
+    transient: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.swap_space + self.transient
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def _own_cgroups(proc: Path = Path("/proc/self/cgroup")) -> list[tuple[str, str]]:
+    """(version "1" or "2", path) of this process's memory cgroup(s) (/proc/self/cgroup)."""
+    out = []
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            out.append(("2", parts[2]))
+        elif "memory" in parts[1].split(","):
+            out.append(("1", parts[2]))
+    return out
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"),
+                proc: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes the memory limits of this process's cgroup and its ancestors leave (the
+    smallest room among them), or None where no level sets a limit. cgroup v2
+    (``memory.max`` - ``memory.current``, mounted at `root` or `root`/unified) and v1
+    (``memory.limit_in_bytes`` - ``memory.usage_in_bytes`` under `root`/memory)."""
+    rooms = []
+    for version, path in _own_cgroups(proc):
+        bases = [root, root / "unified"] if version == "2" else [root / "memory"]
+        for base in bases:
+            if not base.is_dir():
+                continue
+            level = base / path.lstrip("/")
+            while True:
+                if version == "2":
+                    limit = _read_int(level / "memory.max")
+                    used = _read_int(level / "memory.current")
+                else:
+                    limit = _read_int(level / "memory.limit_in_bytes")
+                    used = _read_int(level / "memory.usage_in_bytes")
+                    if limit is not None and limit >= 1 << 60:  # v1's "no limit"
+                        limit = None
+                if limit is not None:
+                    rooms.append(max(0, limit - (used or 0)))
+                if level == base:
+                    break
+                level = level.parent
+    return min(rooms) if rooms else None
+
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The kernel's estimate of memory available without swapping, bytes (None if unknown)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_memory() -> tuple[int | None, str]:
+    """(bytes available to this process, where that figure comes from)."""
+    found = [(v, what) for v, what in ((mem_available(), "MemAvailable"),
+                                         (cgroup_room(), "the cgroup's memory limit"))
+             if v is not None]
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def check_fits(need: MemoryNeed, model: str, *, available: int | None = None,
+               source: str = "") -> None:
+    """Raise ModelDoesNotFit, naming the parts, what is available and the flags that lower
+    the need, when `need` exceeds the available memory (``available_memory`` by default)."""
+    if available is None:
+        available, source = available_memory()
+        if available is None:
+            return
+    if need.total <= available:
+        return
+    parts = [f"weights {need.weights / GiB:.2f} GiB", f"KV cache {need.kv_cache / GiB:.2f} GiB"]
+    if need.swap_space:
+        parts.append(f"swap space {need.swap_space / GiB:.2f} GiB")
+    if need.transient:
+        parts.append(f"{need.transient / GiB:.2f} GiB while loading")
+    room = available - need.weights - need.transient
+    hint = (f"{room / GiB:.2f} GiB is left beside the weights: lower --kv-cache-memory and "
+            "--swap-space (0 disables it) to fit in it" if room > 0 else
+            "the weights alone do not fit: use a smaller model or a smaller quantization "
+            "(a Q4_K_M or Q4_0 GGUF file is served in its own blocks by the default "
+            "--quantization auto)")
+    raise ModelDoesNotFit(
+        f"{model} does not fit in memory: it needs {need.total / GiB:.2f} GiB ("
+        + ", ".join(parts) + f"), {available / GiB:.2f} GiB is available ({source}); {hint}")
+
+
+def dense_bytes(config: object, bytes_per_weight: float) -> int:
+    """Bytes of a Llama-family model's parameters at `bytes_per_weight`, from its config."""
+    c = config
+    h, layers = c.hidden_size, c.num_hidden_layers  # type: ignore[attr-defined]
+    heads, kv = c.num_attention_heads, c.num_key_value_heads  # type: ignore[attr-defined]
+    d = getattr(c, "head_dim", None) or h // heads
+    inter, vocab = c.intermediate_size, c.vocab_size  # type: ignore[attr-defined]
+    per_layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter + 2 * h
+    tied = getattr(c, "tie_word_embeddings", False)
+    return math.ceil((layers * per_layer + vocab * h * (1 if tied else 2) + h)
+                     * bytes_per_weight)
+
+
+def weights_need(config: object, blocks: object | None, embedding_bytes: int = 0
+                 ) -> tuple[int, int]:
+    """(resident bytes of the served weights, bytes held only while loading).
+
+    blocks: a GGUF file's linear layers as blocks (``GGUFLinearWeights``): each served in
+        its packed format (BITS_PER_WEIGHT; fp32 where it has none), the embedding its
+        file bytes (`embedding_bytes`); while loading, one dense fp32 copy of the first
+        layer of each class and of the LM head (kernel timing). None: a dense fp32 model,
+        which transformers builds beside ours while loading (twice its size at the peak).
+    """
+    if blocks is None:
+        dense = dense_bytes(config, 4)
+        return dense, dense
+    layers = blocks.layers  # type: ignore[attr-defined]
+    resident = embedding_bytes + 4 * 3 * config.hidden_size * config.num_hidden_layers  # type: ignore[attr-defined]
+    for b in layers.values():
+        bits = BITS_PER_WEIGHT.get(b.fmt, 9.0) if b.fmt is not None else 32.0
+        resident += math.ceil(b.out_features * b.in_features * bits / 8)
+    firsts = [b for (i, _), b in layers.items() if i in (0, None)]
+    transient = sum(4 * b.out_features * b.in_features for b in firsts)
+    return resident, transient
