@@ -29,6 +29,15 @@ def loaded_model():
 
 
 @pytest.fixture(scope="session")
+def served_model():
+    """The same checkpoint read as the GGUF file's own blocks (no dense copy): what
+    `conveyor serve` loads in the default --quantization auto."""
+    from service.worker.loader import load_model
+
+    return load_model(None, torch.float32, blocks=True)
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """The transformers implementation of the same checkpoint: the test oracle."""
     from transformers import AutoModelForCausalLM

@@ -20,6 +20,7 @@ from service.core.config import EngineConfig
 from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, default_model_path, load_model, model_name
+from service.worker.sliding_window import context_limit
 from service.worker.memory_fit import MemoryNeed, check_fits, weights_need
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
@@ -113,7 +114,9 @@ class ModelRunner:
         self.vocab = self.model.vocab_size
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
         self.block_size = cc.block_size
-        model_len = self.model.max_position
+        model_len, capped = context_limit(self.loaded.hf_config, self.model.max_position)
+        if capped is not None and (mc.max_model_len or model_len + 1) > model_len:
+            log.warning("%s", capped)
         self.max_model_len = min(mc.max_model_len or model_len, model_len)
         per_block = self.model.kv_bytes_per_token(self.kv_dtype) * cc.block_size
         self.num_blocks = cc.num_kv_blocks or max(2, cc.kv_cache_memory // per_block)

@@ -35,13 +35,16 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
 
 
 @pytest.fixture
-async def make_engine(loaded_model):
+async def make_engine(loaded_model, served_model):
     """Factory: `await make_engine(**engine_config kwargs)` -> a started Engine, closed after the
-    test; its block pool must pass check_integrity() with no block held at the end."""
+    test; its block pool must pass check_integrity() with no block held at the end. The auto
+    modes serve the file's blocks (as `conveyor serve` does), the others dense weights."""
     engines: list[Engine] = []
 
     async def make(**kw) -> Engine:
-        engine = await Engine(engine_config(**kw), loaded=loaded_model).start()
+        auto = kw.get("quantization", "auto") in ("auto", "auto-a8")
+        engine = await Engine(engine_config(**kw),
+                              loaded=served_model if auto else loaded_model).start()
         engines.append(engine)
         return engine
 
