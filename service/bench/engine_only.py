@@ -176,7 +176,21 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None,
     Raises ValueError for bad arguments."""
     a, models, threads, scenarios = _parse(argv)
     load_before = os.getloadavg()
-    loaded = loaded or load_model(a.model, torch.float32)
+    # the auto modes serve a GGUF file's own blocks (as `conveyor serve` does); the others
+    # need dense fp32 weights, read only if a variant asks for them
+    given = loaded
+    blocks_loaded: LoadedModel | None = None
+    dense_loaded = loaded
+
+    def loaded_for(q: str | None) -> LoadedModel:
+        nonlocal blocks_loaded, dense_loaded
+        if q in ("auto", "auto-a8") and given is None:
+            blocks_loaded = blocks_loaded or load_model(a.model, torch.float32, blocks=True)
+            return blocks_loaded
+        dense_loaded = dense_loaded or load_model(a.model, torch.float32)
+        return dense_loaded
+
+    loaded = loaded_for(models[0][0])
     variants = [(m, t) for m in models for t in threads]
     # Thread variants of one model variant share its runner and its decode state.
     decode_steps = a.warmup + a.steps * a.rounds * len(threads) + 8
@@ -190,7 +204,7 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None,
                                              cpu_fused_decode=f),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0, kv_cache_dtype=d))
-        runners[(q, k, bi, f, d)] = ModelRunner(cfg, loaded)
+        runners[(q, k, bi, f, d)] = ModelRunner(cfg, loaded_for(q))
     if freeze_heap:
         freeze_startup_heap("engine-only bench")
 

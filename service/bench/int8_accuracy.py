@@ -120,7 +120,10 @@ def measure(loaded: LoadedModel, *, num_prompts: int = 20, max_tokens: int = 64,
     from service.worker.quantization.paths import machine_note
 
     fp32 = make_runner(loaded, None)
-    quant = make_runner(loaded, None if mode == "none" else mode, kv_cache_dtype=kv_cache_dtype)
+    # the auto modes on a GGUF file serve its blocks, as `conveyor serve` does
+    served = load_model(loaded.gguf_path, torch.float32, blocks=True) \
+        if mode in ("auto", "auto-a8") and loaded.gguf_path is not None else loaded
+    quant = make_runner(served, None if mode == "none" else mode, kv_cache_dtype=kv_cache_dtype)
     plan = quant.linear_plan
     prompts = prompt_set(loaded, num_prompts)
     ref = greedy(fp32, prompts, max_tokens)
