@@ -19,7 +19,7 @@ once. The legacy types fit it with sc = 1: Q8_0 ``d q``, Q5_0 ``d (q - 16)``, Q4
 | all Q8_0 / Q5_0 | q8_0 (Q5_0: q - 16) | 8.5 |
 | all F32 / F16 / BF16 | f32 | 32 |
 | any mix of Q2_K..Q6_K | i8_k, super-block 256 | 9.125 |
-| a mix with a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) | i8_k, super-block 32 | 9 + 1 |
+| Q5_1, or a mix with a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) | i8_k, super-block 32 | 10 |
 
 Other types (IQ*, TQ*, Q8_K, a float type mixed with a block type) get None from
 ``gguf_format``: served dequantized by the caller.
