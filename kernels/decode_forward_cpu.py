@@ -52,7 +52,8 @@ _i64, _p, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 class _Linear(ctypes.Structure):
     _fields_ = [("fn", _p), ("fmt", _i64), ("in_features", _i64), ("out_features", _i64),
                 ("padded_out", _i64), ("group", _i64), ("w", _p), ("scale", _p),
-                ("minv", _p), ("bias", _p)]
+                ("minv", _p), ("bias", _p), ("sup_scale", _p), ("sup_min", _p),
+                ("super_group", _i64)]
 
 
 # ConveyorModel::kv_kind: the caches' element type
@@ -136,7 +137,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def _linear(packed: PackedWeight, isa: str) -> _Linear:
     return _Linear(qlc.entry_point(isa), qlc.format_code(packed.fmt), packed.in_features,
                    packed.out_features, packed.padded_out, packed.group, packed.data.data_ptr(),
-                   _ptr(packed.scale), _ptr(packed.minv), _ptr(packed.bias))
+                   _ptr(packed.scale), _ptr(packed.minv), _ptr(packed.bias),
+                   _ptr(packed.super_scale), _ptr(packed.super_min), packed.super_group)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Linear layers with fp32, int8 or int4 weights (scales in fp32, or fp16 as in GGUF's Q4_1 /
-Q8_0 blocks) on the CPU: our C++ kernels.
+Q8_0 blocks, or GGUF's K-quant super-blocks: q4_k, i8_k) on the CPU: our C++ kernels.
 
 At one to a few rows a decode step's linear layers stream every weight from memory, so
 weights that are 4 or 8 times smaller and dequantized on the fly in registers (llama.cpp's
@@ -41,9 +41,10 @@ VARIANTS: dict[str, CppKernel] = {
 }
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
 FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6,
-                "q4_1x16": 7, "q8_0x16": 8}
-"""``conveyor_qlinear``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass their
-fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const float*``."""
+                "q4_1x16": 7, "q8_0x16": 8, "q4_k": 9, "i8_k": 10}
+"""``conveyor_qlinear_ex``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass
+their fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const
+float*``, q4_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``)."""
 
 __all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize",
            "entry_point", "format_code", "isa_problem", "quant_linear"]
@@ -56,6 +57,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.conveyor_qlinear.restype = i32
     lib.conveyor_qdequant.argtypes = [i32, p, p, p, i64, i64, i64, i64, p, i32]
     lib.conveyor_qdequant.restype = i32
+    lib.conveyor_qlinear_ex.argtypes = [i32, p, i64, i64, i64, i64, i64, p, p, p, i64, p, p, i64,
+                                        p, p, i64, i32]
+    lib.conveyor_qlinear_ex.restype = i32
+    lib.conveyor_qdequant_ex.argtypes = [i32, p, p, p, i64, p, p, i64, i64, i64, i64, p, i32]
+    lib.conveyor_qdequant_ex.restype = i32
     lib.conveyor_qlinear_isa.argtypes = []
     lib.conveyor_qlinear_isa.restype = ctypes.c_char_p
 
@@ -86,9 +92,9 @@ def _library(isa: str) -> ctypes.CDLL:
 
 
 def entry_point(isa: str) -> int:
-    """Address of the `isa` build's ``conveyor_qlinear`` (the fused forward calls it by
+    """Address of the `isa` build's ``conveyor_qlinear_ex`` (the fused forward calls it by
     pointer). Raises ValueError for an unknown isa, KernelBuildError when it is unavailable."""
-    return ctypes.cast(_library(isa).conveyor_qlinear, ctypes.c_void_p).value
+    return ctypes.cast(_library(isa).conveyor_qlinear_ex, ctypes.c_void_p).value
 
 
 def format_code(fmt: str) -> int:
@@ -135,11 +141,11 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
                          f"along N, got {out.dtype} shape {tuple(out.shape)} strides {out.stride()}")
     if m == 0:
         return out
-    fn = _library(isa).conveyor_qlinear
+    fn = _library(isa).conveyor_qlinear_ex
     rc = fn(FORMAT_CODES[packed.fmt], x.data_ptr(), max(x.stride(0), k), m, k, n,
             packed.padded_out, packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
-            packed.group, _ptr(packed.bias), out.data_ptr(), max(out.stride(0), n),
-            torch.get_num_threads())
+            packed.group, _ptr(packed.super_scale), _ptr(packed.super_min), packed.super_group,
+            _ptr(packed.bias), out.data_ptr(), max(out.stride(0), n), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"quantized linear kernel rejected its arguments (code {rc}): "
                          f"{packed.fmt} [{n}, {k}], x {tuple(x.shape)}")
@@ -152,10 +158,11 @@ def dequantize(packed: PackedWeight, isa: str) -> torch.Tensor:
 
     Raises ValueError for an unknown isa, KernelBuildError when its build is unavailable."""
     out = torch.empty(packed.out_features, packed.in_features, dtype=torch.float32)
-    rc = _library(isa).conveyor_qdequant(
+    rc = _library(isa).conveyor_qdequant_ex(
         FORMAT_CODES[packed.fmt], packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
-        packed.group, packed.in_features, packed.out_features, packed.padded_out,
-        out.data_ptr(), torch.get_num_threads())
+        packed.group, _ptr(packed.super_scale), _ptr(packed.super_min), packed.super_group,
+        packed.in_features, packed.out_features, packed.padded_out, out.data_ptr(),
+        torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"dequantize rejected its arguments (code {rc})")
     return out

@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Nine formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Eleven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -21,6 +21,14 @@ Nine formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 - ``q4_1x16``, ``q8_0x16``: the same with x quantized to int16 per row and group (rounding
   of at most 2^-16 of the group's largest |x|) and multiplied with ``vpmaddwd``: twice
   fp32's multiply-adds an instruction, for compute-bound (many-row) calls.
+- ``q4_k``: GGUF's Q4_K blocks (ggml's ``block_q4_K``): per super-block of 256 input
+  channels fp16 d and dmin, per group of 32 a 6-bit scale sc and min m, 4-bit q:
+  ``W = (d sc) q - (dmin m)`` (d sc and dmin m exact in fp32: the kernel forms them per
+  group). 4.625 bits a weight (the file: 4.5);
+- ``i8_k``: any mix of GGUF's K-quant and legacy blocks in 8 bits: int8 q, per group of 16
+  an int8 sc and m, per super-block of ``super_group`` (256, or 32 when a legacy type is in
+  the mix) fp16 d and dmin: the same ``W = (d sc) q - (dmin m)`` (9.125 bits a weight at
+  256). ``kernels.gguf_pack`` packs both from a file's bytes.
 
 q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
 ``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
@@ -39,6 +47,9 @@ from dataclasses import dataclass
 import torch
 
 FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
+"""The formats packed from fp32 weights (and from GGUF blocks: q4_1, q8_0)."""
+K_FORMATS = ("q4_k", "i8_k")
+"""The formats with super-block scales (``super_scale``, ``super_min``), from GGUF blocks only."""
 HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
 """Formats whose scale (and min) tensors are float16."""
 ACT8_FORMATS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}
@@ -66,9 +77,13 @@ class PackedWeight:
     scale: int8 [Np] float32; int4 d [Np/64, ceil(K/group), 64] float32; q4_1, q8_0 d
         [Np/64, ceil(K/group), 64] float16; f32 None.
     minv: int4 [Np/64, ceil(K/group), 64] float32; q4_1 the same in float16; else None.
-    group: input channels per scale (int4, q4_1, q8_0); 0 otherwise.
-    (q4_1 data is laid out as int4's, q8_0 data as int8's.)
+    group: input channels per scale (int4, q4_1, q8_0, q4_k: 32, i8_k: 16); 0 otherwise.
+    (q4_1 and q4_k data is laid out as int4's, q8_0 and i8_k data as int8's.)
     bias: [Np] float32 (zeros past N) or None.
+    K_FORMATS only: scale, minv are the groups' sc and m, [Np/64, K/group, 64] (q4_k uint8
+    in [0, 63], i8_k int8); super_scale, super_min: d and dmin [Np/64, K/super_group, 64]
+    float16; super_group: input channels per d (q4_k 256; i8_k 256 or 32). The weight is
+    ``(d * sc) * q - dmin * m`` in fp32 (``unpack``).
     """
 
     fmt: str
@@ -79,6 +94,9 @@ class PackedWeight:
     minv: torch.Tensor | None
     bias: torch.Tensor | None
     group: int = 0
+    super_scale: torch.Tensor | None = None
+    super_min: torch.Tensor | None = None
+    super_group: int = 0
 
     @property
     def padded_out(self) -> int:
@@ -88,7 +106,8 @@ class PackedWeight:
     def nbytes(self) -> int:
         """Bytes the kernel reads for the weight (data, scales, bias)."""
         return sum(t.numel() * t.element_size()
-                   for t in (self.data, self.scale, self.minv, self.bias) if t is not None)
+                   for t in (self.data, self.scale, self.minv, self.bias, self.super_scale,
+                             self.super_min) if t is not None)
 
 
 def _check(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -307,6 +326,8 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
         packed = dataclasses.replace(packed, fmt=base)
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
+    if packed.fmt in K_FORMATS:
+        return _unpack_k(packed, rows)
     if packed.fmt == "f32":
         return rows.clone()
     if packed.fmt == "int8":
@@ -321,6 +342,65 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k].double()
     m = packed.minv.movedim(-1, 1).reshape(np_, -1)[:n, g_of_k].double()
     return (q * d + m).float()
+
+
+def _unpack_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """q4_k, i8_k: ``(d * sc) * q - dmin * m`` in fp32, as ggml's reference (and gguf-py)
+    compute it: d * sc, dmin * m and (d * sc) * q are exact, the subtraction rounds once."""
+    n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
+    assert packed.scale is not None and packed.minv is not None
+    assert packed.super_scale is not None and packed.super_min is not None
+    if packed.fmt == "q4_k":
+        q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k]
+    else:
+        q = rows
+    g_of_k = torch.arange(k) // packed.group
+    s_of_k = torch.arange(k) // packed.super_group
+
+    def per_k(t: torch.Tensor, of_k: torch.Tensor) -> torch.Tensor:
+        return t.movedim(-1, 1).reshape(np_, -1)[:n, of_k].float()
+
+    d1 = per_k(packed.super_scale, s_of_k) * per_k(packed.scale, g_of_k)
+    dm = per_k(packed.super_min, s_of_k) * per_k(packed.minv, g_of_k)
+    return d1 * q.float() - dm
+
+
+def pack_k_blocks(fmt: str, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
+                  d: torch.Tensor, dmin: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  super_group: int = 256) -> PackedWeight:
+    """Pack K-quant blocks as they are: ``W[n, k] = (d[n, s] * sc[n, g]) * q[n, k] -
+    dmin[n, s] * m[n, g]`` with g = k // group, s = k // super_group.
+
+    fmt "q4_k": q [N, K] uint8 in [0, 15]; sc, m [N, K / 32] uint8 in [0, 63]; group 32,
+    super_group 256. fmt "i8_k": q [N, K] int8; sc, m [N, K / 16] int8; group 16,
+    super_group 256 or 32. d, dmin: [N, K / super_group] float16, finite. K a multiple of
+    super_group. Raises ValueError for other shapes, dtypes or values."""
+    if fmt not in K_FORMATS:
+        raise ValueError(f"fmt must be one of {K_FORMATS}, got {fmt!r}")
+    group, dtype = (32, torch.uint8) if fmt == "q4_k" else (16, torch.int8)
+    if super_group not in ((256,) if fmt == "q4_k" else (256, 32)):
+        raise ValueError(f"{fmt}: super_group {super_group} not supported")
+    if q.dim() != 2 or q.dtype != dtype or q.shape[0] < 1 or q.shape[1] < 1 or \
+            q.shape[1] % super_group:
+        raise ValueError(f"{fmt}: q must be {dtype} [N, K] with K a multiple of {super_group}, "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    for name, t, shape, dt in (("sc", sc, (n, k // group), dtype), ("m", m, (n, k // group), dtype),
+                               ("d", d, (n, k // super_group), torch.float16),
+                               ("dmin", dmin, (n, k // super_group), torch.float16)):
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"{fmt}: {name} must be {dt} {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not bool(torch.isfinite(d).all() and torch.isfinite(dmin).all()):
+        raise ValueError(f"{fmt}: d and dmin must be finite")
+    if fmt == "q4_k" and (int(q.max()) > 15 or int(sc.max()) > 63 or int(m.max()) > 63):
+        raise ValueError("q4_k: q must be in [0, 15], sc and m in [0, 63]")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be float [out] = [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    np_ = _np(n)
+    data = _panels(_nibbles(q) if fmt == "q4_k" else q, np_)
+    return PackedWeight(fmt, n, k, data, _panels(sc, np_), _panels(m, np_),
+                        _padded_bias(bias, np_), group, _panels(d, np_), _panels(dmin, np_),
+                        super_group)
 
 
 def with_int8_activations(packed: PackedWeight) -> PackedWeight:

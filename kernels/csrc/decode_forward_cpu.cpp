@@ -14,7 +14,7 @@
 //   end:      y = rmsnorm(h + residual, norm) at the sampling rows;  logits = y W_lm^T
 //
 // The linear layers and the attention are not compiled here: the caller passes function
-// pointers to the builds it chose (conveyor_qlinear of kernels/csrc/quant_linear_cpu.cpp,
+// pointers to the builds it chose (conveyor_qlinear_ex of kernels/csrc/quant_linear_cpu.cpp,
 // built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 or
 // _f16kv / _bf16kv of kernels/csrc/decode_attention_cpu.cpp, as the cache's dtype asks), so
 // one step runs exactly the kernels the unfused path would run for those layers, and a new
@@ -38,7 +38,8 @@
 extern "C" {
 typedef int (*qlinear_fn)(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                           int64_t N, int64_t Np, const void* w, const void* scale,
-                          const void* minv, int64_t group, const float* bias, float* y,
+                          const void* minv, int64_t group, const void* sup_scale,
+                          const void* sup_min, int64_t super_group, const float* bias, float* y,
                           int64_t y_stride, int num_threads);
 typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const void* k_cache,
                             const void* v_cache, const int64_t* tables, int64_t table_stride,
@@ -47,7 +48,8 @@ typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const void* k_
                             int Hkv, int head_dim, int block_size, float scale,
                             int num_threads);
 
-// One linear layer y [M, N] = x [M, K] W^T (+ bias): conveyor_qlinear's arguments.
+// One linear layer y [M, N] = x [M, K] W^T (+ bias): conveyor_qlinear_ex's arguments
+// (sup_scale, sup_min, super_group: the K-quant formats' super-block scales; null, 0 else).
 struct ConveyorLinear {
   qlinear_fn fn;
   int64_t fmt, in_features, out_features, padded_out, group;
@@ -55,6 +57,9 @@ struct ConveyorLinear {
   const void* scale;
   const void* minv;
   const float* bias;
+  const void* sup_scale;
+  const void* sup_min;
+  int64_t super_group;
 };
 
 struct ConveyorLayer {
@@ -150,7 +155,8 @@ inline void silu_mul_row(const float* gu, int64_t I, float* out) {
 inline int linear(const ConveyorLinear& l, const float* x, int64_t x_stride, int64_t M, float* y,
                   int threads) {
   return l.fn(static_cast<int>(l.fmt), x, x_stride, M, l.in_features, l.out_features,
-              l.padded_out, l.w, l.scale, l.minv, l.group, l.bias, y, l.out_features, threads);
+              l.padded_out, l.w, l.scale, l.minv, l.group, l.sup_scale, l.sup_min, l.super_group,
+              l.bias, y, l.out_features, threads);
 }
 
 // Runs body(m) for every row, over the threads when there are enough rows to pay for it.

@@ -19,6 +19,11 @@
 //                acc = fma(d[n, g], s, acc),  y = acc
 //   (q4_1 and q8_0 keep d and min in fp16, converted exactly to fp32 with F16C before use:
 //   int4 and q4_1 over the same values give the same bits.)
+//   q4_k, i8_k (GGUF's K-quants, w = (d[n, S] sc[n, g]) q - dmin[n, S] m[n, g], S the
+//                super-block of k): as q4_1, with the group's scale and min formed first,
+//                exactly: d1 = fp32(d) * sc, min1 = -(fp32(dmin) * m) (at most 11 + 8
+//                significant bits: no rounding), then
+//                acc = fma(xsum[m, g], min1, fma(d1, s, acc))
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
 // or how the work is split: batch invariance for free, and the builds are bit-identical.
 //
@@ -33,7 +38,15 @@
 //          weight at group 32, as GGUF's Q4_1 block; Q4_0 is this with min = -8 d)
 //   q8_0:  w as int8;  d [Np / 64, ceil(K / group), 64] fp16 (8.5 bits a weight at group 32,
 //          as GGUF's Q8_0 block)
-// The C ABI passes scale / minv as float pointers; for q4_1 / q8_0 they point at fp16 data.
+//   q4_k:  w as int4 (group 32);  sc, m [Np / 64, K / 32, 64] uint8 (6-bit);  d, dmin
+//          [Np / 64, K / 256, 64] fp16 (4.625 bits a weight; GGUF's Q4_K block is 4.5:
+//          ggml's block_q4_K, its 6-bit scales unpacked as get_scale_min_k4 does)
+//   i8_k:  w as int8 (group 16);  sc, m [Np / 64, K / 16, 64] int8;  d, dmin
+//          [Np / 64, K / S, 64] fp16, S = super_group, 256 or 32 (9.125 bits a weight at
+//          256: any mix of GGUF's K-quant and legacy blocks, kernels/gguf_pack.py)
+// The C ABI passes scale / minv as float pointers; for q4_1 / q8_0 they point at fp16 data,
+// for q4_k / i8_k at the bytes sc and m (d and dmin: conveyor_qlinear_ex's sup_scale,
+// sup_min).
 // so a one-row call reads each block as one sequential stream. A panel is 16 channels (a
 // quarter of a block: one vector). A tile is R rows x C panels: for each k, C weight vectors
 // are loaded (and converted) once and multiplied into R x C accumulators by broadcasting
@@ -58,10 +71,12 @@ constexpr const char* kIsa = "avx512";
 // Tile shapes (rows x panels) for many rows and for one, per format {fp32, int8, int4, q4_1,
 // q8_0}: accumulators R x C vectors (grouped formats: twice: group sums and totals) in 32
 // vector registers.
-constexpr int kGemmRows[5] = {6, 6, 6, 6, 6}, kGemmPanels[5] = {4, 4, 4, 4, 4},
-              kGemvPanels[5] = {4, 4, 4, 4, 4};
+// q8_0}, then (codes 5-8: the activation-quantizing formats, not run by run<>) {q4_k, i8_k}.
+constexpr int kGemmRows[11] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6},
+              kGemmPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4},
+              kGemvPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4};
 // Whether many-row calls unpack int8 / int4 weights once per panel group (unpack_strip).
-constexpr bool kStrip[5] = {false, true, true, true, true};
+constexpr bool kStrip[11] = {false, true, true, true, true, false, false, false, false, true, true};
 struct V16 {
   __m512 v;
 };
@@ -78,6 +93,9 @@ inline V16 load_h(const uint16_t* p) {  // 16 fp16 -> fp32 (exact)
 inline V16 load_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+inline V16 load_u8(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
@@ -90,11 +108,14 @@ constexpr const char* kIsa = "avx2";
 // sums + 4 unpacked weight vectors + 1 broadcast; q8_0, R = 6: 12 + 2 + 1. Measured on a
 // Zen 3 (AVX2, 2 threads) against R = 2: 1.3-1.6x at 16 rows ([3072 x 576] q4_1: 1.10 ->
 // 0.69 ms; the [49152 x 576] q8_0 LM head 14.2 -> 10.4 ms), the same at 1-2 rows.
-constexpr int kGemmRows[5] = {4, 4, 5, 5, 6}, kGemmPanels[5] = {1, 1, 1, 1, 1},
-              kGemvPanels[5] = {4, 4, 2, 2, 2};
+// q4_k as q4_1, i8_k as q8_0 (codes 5-8 unused, as above).
+constexpr int kGemmRows[11] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6},
+              kGemmPanels[11] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1},
+              kGemvPanels[11] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2};
 // int4 from a strip measured 1.5-2.5x slower here than unpacking in each tile (GCC 12 keeps
 // the group sums in memory when a V16 is two ymm registers); q8_0's group sums alike.
-constexpr bool kStrip[5] = {false, true, false, false, false};
+constexpr bool kStrip[11] = {false, true, false, false, false, false, false, false, false, false,
+                             false};
 struct V16 {
   __m256 lo, hi;
 };
@@ -121,6 +142,10 @@ inline __m256 i8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline V16 load_i8(const int8_t* p) { return {i8x8(p), i8x8(p + 8)}; }
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V16 load_u8(const uint8_t* p) { return {u8x8(p), u8x8(p + 8)}; }
 inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   const __m256i mask = _mm256_set1_epi32(15);
   const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -132,13 +157,16 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 #error "quant_linear_cpu.cpp needs AVX-512 (F, BW) or AVX2 + FMA + F16C"
 #endif
 
-enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4 };
+enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10 };
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
-constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41; }
-constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80; }
-constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80; }
+constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41 || f == kQ4K; }
+constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80 || f == kI8K; }
+constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K; }
+constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || is_kquant(f); }
+constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
 constexpr bool has_half_scales(int f) { return f == kQ41 || f == kQ80; }
+constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || is_kquant(f); }
 
 // From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
 // floats (unpack_strip) instead of once per tile.
@@ -151,10 +179,13 @@ struct Problem {
   const void* scale;  // int8: [Np] float; int4: d [Np/64, groups, 64] float; q4_1, q8_0: fp16
   const void* minv;   // int4: [Np/64, groups, 64] float; q4_1: fp16
   int64_t group, groups;
-  const float* xsum;  // int4, q4_1: [M, groups], sum of x over each group (k in order)
+  const float* xsum;  // int4, q4_1, q4_k, i8_k: [M, groups], sum of x over each group (k in order)
   const float* bias;  // [Np] or null
   float* y;
   int64_t y_stride;
+  const uint16_t* sup_scale;  // q4_k, i8_k: d [Np/64, supers, 64] fp16
+  const uint16_t* sup_min;    // q4_k, i8_k: dmin [Np/64, supers, 64] fp16
+  int64_t super_group, supers;
 };
 
 // Offset (in elements) of panel p's 16 lanes at row j of a [Np / 64, rows, 64] array.
@@ -167,6 +198,30 @@ inline V16 load_scale(const void* p, int64_t off) {
     return load_h(static_cast<const uint16_t*>(p) + off);
   else
     return load(static_cast<const float*>(p) + off);
+}
+
+// Group g's 16 scales d and mins mn of panel p: loaded (int4, q4_1, q8_0: no mn), or, for
+// q4_k / i8_k, formed exactly from the super-block's d, dmin and the group's sc, m:
+// d = d_S * sc, mn = -(dmin_S * m).
+template <int Fmt>
+inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& mn) {
+  const int64_t off = at(p, pb.groups, g);
+  if constexpr (is_kquant(Fmt)) {
+    const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
+    V16 sc, m;
+    if constexpr (Fmt == kQ4K) {
+      sc = load_u8(static_cast<const uint8_t*>(pb.scale) + off);
+      m = load_u8(static_cast<const uint8_t*>(pb.minv) + off);
+    } else {
+      sc = load_i8(static_cast<const int8_t*>(pb.scale) + off);
+      m = load_i8(static_cast<const int8_t*>(pb.minv) + off);
+    }
+    d = mul(load_h(pb.sup_scale + soff), sc);
+    mn = mul(mul(load_h(pb.sup_min + soff), m), bcast(-1.f));
+  } else {
+    d = load_scale<Fmt>(pb.scale, off);
+    if constexpr (has_min(Fmt)) mn = load_scale<Fmt>(pb.minv, off);
+  }
 }
 
 // acc[r][c] = fma(x[r, k], w(panel p0 + c, k), acc[r][c]) for k in order.
@@ -201,6 +256,15 @@ inline void tile_i8(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R]
 //   acc = fma(d[g], s, acc);  acc = fma(xsum[g], min[g], acc)
 // since sum_k x_k (d q_k + min) = d sum_k x_k q_k + min sum_k x_k. Two fmas per weight pair
 // instead of four (no dequantized weight); xsum comes from the caller, computed once per row.
+// A one-row call (R = 1) prefetches the weight line this many bytes ahead of the k pair it
+// reads (as the int16-activation kernels do, kGemvPrefetchBytes below): such a call is a
+// stream of a few tens of MB, each item's too short for the hardware prefetcher to reach
+// full depth.
+// Measured (indicative: a shared 2-core Zen 4, 2 threads, four [14336 x 4096] weights in
+// turn): q4_k 1.36 -> 1.27 ms (AVX-512), 1.74 -> 1.50 ms (AVX2); q4_1 1.29 -> 1.33 and
+// 1.67 -> 1.52 ms. Numerics unchanged.
+constexpr int64_t kGemvPrefetchI4Bytes = 2048;
+
 template <int Fmt, int R, int C>
 inline void tile_i4(const Problem& pb, const float* x, const float* xsum, int64_t p0,
                     V16 (&acc)[R][C]) {
@@ -213,6 +277,7 @@ inline void tile_i4(const Problem& pb, const float* x, const float* xsum, int64_
     const int64_t k1 = std::min(pb.K, (g + 1) * pb.group);
     int64_t k = g * pb.group;
     for (; k + 1 < k1; k += 2) {
+      if constexpr (R == 1) __builtin_prefetch(w + at(p0, pairs, k / 2) + kGemvPrefetchI4Bytes);
       V16 lo[C], hi[C];
       for (int c = 0; c < C; ++c) load_u4x2(w + at(p0 + c, pairs, k / 2), lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
@@ -229,8 +294,8 @@ inline void tile_i4(const Problem& pb, const float* x, const float* xsum, int64_
       }
     }
     for (int c = 0; c < C; ++c) {
-      const V16 d = load_scale<Fmt>(pb.scale, at(p0 + c, pb.groups, g));
-      const V16 mn = load_scale<Fmt>(pb.minv, at(p0 + c, pb.groups, g));
+      V16 d, mn;
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);
       for (int r = 0; r < R; ++r)
         acc[r][c] = fma(bcast(xsum[r * pb.groups + g]), mn, fma(d, s[r][c], acc[r][c]));
     }
@@ -238,9 +303,10 @@ inline void tile_i4(const Problem& pb, const float* x, const float* xsum, int64_
 }
 
 // q8_0, per group g: s = sum over the group's k (in order) of fma(x[k], q[k], s), then
-//   acc = fma(d[g], s, acc).
-template <int R, int C>
-inline void tile_q8(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R][C]) {
+//   acc = fma(d[g], s, acc)  (i8_k: then acc = fma(xsum[g], min[g], acc), as tile_i4).
+template <int Fmt, int R, int C>
+inline void tile_q8(const Problem& pb, const float* x, const float* xsum, int64_t p0,
+                    V16 (&acc)[R][C]) {
   const int8_t* w = static_cast<const int8_t*>(pb.w);
   for (int64_t g = 0; g < pb.groups; ++g) {
     V16 s[R][C];
@@ -256,8 +322,14 @@ inline void tile_q8(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R]
       }
     }
     for (int c = 0; c < C; ++c) {
-      const V16 d = load_scale<kQ80>(pb.scale, at(p0 + c, pb.groups, g));
-      for (int r = 0; r < R; ++r) acc[r][c] = fma(d, s[r][c], acc[r][c]);
+      V16 d, mn;
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);
+      if constexpr (has_min(Fmt)) {
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = fma(bcast(xsum[r * pb.groups + g]), mn, fma(d, s[r][c], acc[r][c]));
+      } else {
+        for (int r = 0; r < R; ++r) acc[r][c] = fma(d, s[r][c], acc[r][c]);
+      }
     }
   }
 }
@@ -330,11 +402,11 @@ inline void tile_strip(const Problem& pb, const float* x, const float* xsum, int
     Sums<R, C> s = group_sums<R, C>(x, pb.x_stride, strip, K, g * pb.group,
                                     std::min(K, (g + 1) * pb.group));
     for (int c = 0; c < C; ++c) {
-      const V16 d = load_scale<Fmt>(pb.scale, at(p0 + c, pb.groups, g));
-      if constexpr (Fmt == kQ80) {
+      V16 d, mn;
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);
+      if constexpr (!has_min(Fmt)) {
         for (int r = 0; r < R; ++r) acc[r][c] = fma(d, s.v[r][c], acc[r][c]);
       } else {
-        const V16 mn = load_scale<Fmt>(pb.minv, at(p0 + c, pb.groups, g));
         for (int r = 0; r < R; ++r)
           acc[r][c] = fma(bcast(xsum[r * pb.groups + g]), mn, fma(d, s.v[r][c], acc[r][c]));
       }
@@ -350,15 +422,15 @@ void tile(const Problem& pb, int64_t m0, int64_t p0, const float* strip = nullpt
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
   const float* x = pb.x + m0 * pb.x_stride;
-  const float* xsum = is_4bit(Fmt) ? pb.xsum + m0 * pb.groups : nullptr;
+  const float* xsum = has_min(Fmt) ? pb.xsum + m0 * pb.groups : nullptr;
   if (Fmt == kF32)
     tile_f32<R, C>(pb, x, p0, acc);
   else if (strip != nullptr)
     tile_strip<Fmt, R, C>(pb, x, xsum, p0, strip, acc);
   else if (Fmt == kI8)
     tile_i8<R, C>(pb, x, p0, acc);
-  else if (Fmt == kQ80)
-    tile_q8<R, C>(pb, x, p0, acc);
+  else if (Fmt == kQ80 || Fmt == kI8K)
+    tile_q8<Fmt, R, C>(pb, x, xsum, p0, acc);
   else
     tile_i4<Fmt, R, C>(pb, x, xsum, p0, acc);
   for (int c = 0; c < C; ++c) {
@@ -1241,29 +1313,44 @@ extern "C" {
 
 const char* conveyor_qlinear_isa() { return kIsa; }
 
+// Whether the K-quant arguments are valid: group 32 (q4_k) or 16 (i8_k), super_group 256 (or
+// 32 for i8_k) dividing K, d and dmin given. True for every other format (which ignores them).
+inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_scale,
+                           const void* sup_min, int64_t super_group) {
+  if (!is_kquant(fmt)) return true;
+  const bool sizes = fmt == kQ4K ? group == 32 && super_group == 256
+                                 : group == 16 && (super_group == 256 || super_group == 32);
+  return sizes && K % super_group == 0 && sup_scale != nullptr && sup_min != nullptr;
+}
+
 // y = x @ W^T (+ bias) for a packed W (layouts above). Returns 0, or 1 (nothing written) for
 // an unknown format, a non-positive size, Np not a multiple of 64 or below N, an odd or
-// non-positive int4 group, or x / y rows closer than K / N elements.
+// non-positive int4 group, x / y rows closer than K / N elements, or K-quant arguments
+// outside kquant_args_ok.
 // fmt: 0 fp32, 1 int8, 2 int4, 3 q4_1, 4 q8_0 (scale / minv then point at fp16 data);
 // 5 q4_1 and 6 q8_0 weights with int8 activations, 7 q4_1 and 8 q8_0 with int16 ones (above:
-// the same packed weights; K a multiple of the group, at most 256 for int16, else code 1).
-int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
-                     int64_t Np, const void* w, const float* scale, const float* minv,
-                     int64_t group, const float* bias, float* y, int64_t y_stride,
-                     int num_threads) {
+// the same packed weights; K a multiple of the group, at most 256 for int16, else code 1);
+// 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
+// per super_group input channels). Other formats ignore sup_scale, sup_min, super_group.
+int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
+                        int64_t N, int64_t Np, const void* w, const float* scale,
+                        const float* minv, int64_t group, const void* sup_scale,
+                        const void* sup_min, int64_t super_group, const float* bias, float* y,
+                        int64_t y_stride, int num_threads) {
   const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
   const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset;
   if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;
   }
-  if (fmt < kF32 || fmt > kQ80 || M < 0 || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
+  if (!is_format(fmt) || M < 0 || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       x_stride < K || y_stride < N || num_threads <= 0 ||
-      (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0))
+      (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
+      !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))
     return 1;
   if (M == 0) return 0;
   const int64_t groups = is_grouped(fmt) ? (K + group - 1) / group : 0;
-  const int64_t sums = is_4bit(fmt) ? groups : 0;  // xsum only where a min is applied
+  const int64_t sums = has_min(fmt) ? groups : 0;  // xsum only where a min is applied
   std::vector<float> xsum(static_cast<size_t>(M * sums));
   for (int64_t m = 0; m < M; ++m)  // sequential adds: the same bits for a row in any call
     for (int64_t g = 0; g < sums; ++g) {
@@ -1271,8 +1358,10 @@ int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64
       for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) s += x[m * x_stride + k];
       xsum[m * groups + g] = s;
     }
+  const int64_t supers = is_kquant(fmt) ? K / super_group : 0;
   const Problem pb{x, x_stride, M, K, N, Np, w, scale, minv, group, groups, xsum.data(), bias,
-                   y, y_stride};
+                   y, y_stride, static_cast<const uint16_t*>(sup_scale),
+                   static_cast<const uint16_t*>(sup_min), super_group, supers};
   if (act16) {
     if (fmt == kQ41)
       run_act16<kQ41>(pb, num_threads);
@@ -1292,23 +1381,46 @@ int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64
     case kI8: run<kI8>(pb, num_threads); break;
     case kI4: run<kI4>(pb, num_threads); break;
     case kQ41: run<kQ41>(pb, num_threads); break;
+    case kQ4K: run<kQ4K>(pb, num_threads); break;
+    case kI8K: run<kI8K>(pb, num_threads); break;
     default: run<kQ80>(pb, num_threads); break;
   }
   return 0;
 }
 
+// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 and 10 give 1).
+int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
+                     int64_t Np, const void* w, const float* scale, const float* minv,
+                     int64_t group, const float* bias, float* y, int64_t y_stride,
+                     int num_threads) {
+  return conveyor_qlinear_ex(fmt, x, x_stride, M, K, N, Np, w, scale, minv, group, nullptr,
+                             nullptr, 0, bias, y, y_stride, num_threads);
+}
+
 // out [N, K] row-major float = the weight the kernel multiplies by (int8: q * scale, rounded
-// once; int4, q4_1: fma(q, d, min); q8_0: q * d, exact). Returns 0, or 1 for the argument
-// errors of conveyor_qlinear.
-int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* minv,
-                      int64_t group, int64_t K, int64_t N, int64_t Np, float* out,
-                      int num_threads) {
+// once; int4, q4_1: fma(q, d, min); q8_0: q * d, exact; q4_k, i8_k: fma(q, d1, min1) with the
+// group's d1, min1 of group_scales). Returns 0, or 1 for the argument errors of
+// conveyor_qlinear_ex.
+int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float* minv,
+                         int64_t group, const void* sup_scale, const void* sup_min,
+                         int64_t super_group, int64_t K, int64_t N, int64_t Np, float* out,
+                         int num_threads) {
   if (fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset) fmt -= kAct8Offset;  // same weights
   if (fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset) fmt -= kAct16Offset;
-  if (fmt < kF32 || fmt > kQ80 || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
-      num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0))
+  if (!is_format(fmt) || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
+      num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
+      !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))
     return 1;
   const int64_t panels = (N + 15) / 16, groups = is_grouped(fmt) ? (K + group - 1) / group : 0;
+  Problem pb{};  // for group_scales: the K-quants' scale tensors
+  pb.scale = scale;
+  pb.minv = minv;
+  pb.group = group;
+  pb.groups = groups;
+  pb.sup_scale = static_cast<const uint16_t*>(sup_scale);
+  pb.sup_min = static_cast<const uint16_t*>(sup_min);
+  pb.super_group = super_group;
+  pb.supers = is_kquant(fmt) ? K / super_group : 0;
   const int64_t pairs = (K + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
@@ -1323,6 +1435,16 @@ int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* m
       } else if (fmt == kQ80) {
         const V16 d = load_scale<kQ80>(scale, at(p, groups, k / group));
         lo = mul(load_i8(static_cast<const int8_t*>(w) + at(p, K, k)), d);
+      } else if (fmt == kI8K) {
+        V16 d, m;
+        group_scales<kI8K>(pb, p, k / group, d, m);
+        lo = fma(load_i8(static_cast<const int8_t*>(w) + at(p, K, k)), d, m);
+      } else if (fmt == kQ4K) {
+        V16 d, m;
+        group_scales<kQ4K>(pb, p, k / group, d, m);
+        load_u4x2(static_cast<const uint8_t*>(w) + at(p, pairs, k / 2), lo, hi);
+        lo = fma(lo, d, m);
+        hi = fma(hi, d, m);
       } else {
         const int64_t g = k / group;
         const V16 d = fmt == kQ41 ? load_scale<kQ41>(scale, at(p, groups, g))
@@ -1343,6 +1465,14 @@ int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* m
     }
   }
   return 0;
+}
+
+// conveyor_qdequant_ex for the formats without super-block scales.
+int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* minv,
+                      int64_t group, int64_t K, int64_t N, int64_t Np, float* out,
+                      int num_threads) {
+  return conveyor_qdequant_ex(fmt, w, scale, minv, group, nullptr, nullptr, 0, K, N, Np, out,
+                              num_threads);
 }
 
 }  // extern "C"

@@ -5,11 +5,17 @@ weights re-quantized would change them. Here the blocks themselves are read inst
 block type our kernels reproduce exactly becomes a packed weight for them
 (``kernels.quant_pack``), equal to transformers' dequantized fp32 weight bit for bit.
 
-| GGUF type | block (32 weights) | served as | bits a weight |
-|---|---|---|---|
-| Q4_1 | fp16 d, fp16 m, 16 bytes of nibbles: w = d q + m | q4_1 | 5.0 |
-| Q4_0 | fp16 d, 16 bytes of nibbles: w = d (q - 8) | q4_1 with m = -8 d (exact in fp16) | 5.0 (4.5 in the file) |
-| Q8_0 | fp16 d, 32 int8: w = d q | q8_0 | 8.5 |
+| GGUF types (of a layer's parts) | served as | bits a weight |
+|---|---|---|
+| Q4_1; Q4_0 (w = d (q - 8): min = -8 d, exact in fp16) | q4_1 | 5.0 (Q4_0: 4.5 in the file) |
+| Q8_0; Q5_0 (q - 16) | q8_0 | 8.5 (Q5_0: 5.5 in the file) |
+| Q4_K | q4_k: its super-blocks (6-bit scales and mins per 32, fp16 d, dmin per 256) | 4.625 (4.5) |
+| Q2_K .. Q6_K, any mix of them (Q4_K_M's qkv with a Q6_K v) | i8_k: 8-bit values, K-style scales | 9.1 |
+| Q5_1, a mix with Q4_0 .. Q8_0 | i8_k over super-blocks of 32 | 10 |
+| F32, F16, BF16 | dense fp32 | 32 |
+| IQ*, TQ*, ... | dense fp32, dequantized (one warning) | 32 |
+
+(``kernels.gguf_pack``: each packed weight unpacks to gguf-py's dequantization bit for bit.)
 
 ggml's block layout (ggml-quants.c, ``block_q4_1`` etc.): byte j of a 4-bit block holds
 weight j in its low nibble and weight j + 16 in its high one. A weight is read as
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 
 from kernels.quant_pack import PackedWeight, pack_q4_1_blocks, pack_q8_0_blocks
+from kernels.gguf_pack import gguf_format, pack_gguf
 from service.worker.gguf_file import GGUFFile
 
 if TYPE_CHECKING:
@@ -120,10 +127,12 @@ def _cat(parts: list[BlockWeight]) -> BlockWeight:
 
 
 def served_format(gguf_types: Sequence[str]) -> str | None:
-    """Our packed format for a weight whose parts have these GGUF types (all one format of
-    NATIVE_TYPES), or None: served from its dequantized fp32 weight."""
-    fmts = {NATIVE_TYPES.get(t) for t in gguf_types}
-    return fmts.pop() if len(fmts) == 1 and None not in fmts else None
+    """Our packed format for a weight whose parts have these GGUF types
+    (``kernels.gguf_pack.gguf_format``: q4_1, q8_0, q4_k, i8_k), or None: served from its
+    dequantized fp32 weight (a type no kernel of ours reproduces; float types, which fp32
+    holds exactly)."""
+    fmt = gguf_format(gguf_types)
+    return None if fmt == "f32" else fmt
 
 
 _PAGE = mmap.PAGESIZE
@@ -187,14 +196,17 @@ class RawBlocks:
     def decoded(self) -> BlockWeight:
         """The weight in NATIVE_TYPES' decoded form (q, d, m). Raises ValueError for
         another type or a mix of formats."""
-        if self.fmt is None:
+        if self.fmt not in ("q4_1", "q8_0") or not set(self.gguf_types) <= set(NATIVE_TYPES):
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
         return _cat([_decode(t, r, self.in_features) for t, r in zip(self.gguf_types, self.raw)])
 
     def pack(self, bias: torch.Tensor | None = None) -> PackedWeight:
-        """The packed weight for our kernels (``kernels.quant_pack``), equal to
+        """The packed weight for our kernels (``kernels.gguf_pack.pack_gguf``), equal to
         ``dequantize()`` bit for bit. Raises ValueError where ``fmt`` is None."""
-        return self.decoded().pack(bias)
+        if self.fmt is None:
+            raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
+        return pack_gguf([(t, torch.from_numpy(np.ascontiguousarray(r)))
+                          for t, r in zip(self.gguf_types, self.raw)], bias)
 
     def release(self) -> None:
         """Drop the file's pages behind it from the resident set (``release_pages``)."""
@@ -226,7 +238,7 @@ class GGUFLinearWeights:
     def dequantized_types(self) -> Counter[str]:
         """GGUF type -> number of linear layers it made be served dequantized."""
         return Counter(t for types in self.dequantized.values() for t in set(types)
-                       if t not in NATIVE_TYPES)
+                       if t not in NATIVE_TYPES and t not in DENSE_TYPES)
 
 
 def read_linear_weights(path: str, num_layers: int, num_heads: int,

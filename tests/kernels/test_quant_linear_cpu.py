@@ -364,3 +364,71 @@ def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) ->
     bad = x[:1].clone()
     bad[0, k - 1] = float("nan")
     assert bool(qlc.quant_linear(bad, packed, isa).isnan().all())
+
+
+# ---- GGUF K-quant formats (q4_k, i8_k) from raw blocks (kernels.gguf_pack) -------------
+
+K_MIXES = [("Q4_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K",), ("Q5_K", "Q2_K", "Q3_K"),
+           ("Q4_K", "Q5_1", "Q8_0")]
+"""Parts of a fused weight: q4_k; i8_k over super-blocks of 256; i8_k over blocks of 32."""
+K_ROWS = [1, 2, 7, 16, 64, 300]
+
+
+def _k_packed(types: tuple[str, ...], n: int, k: int, bias: bool = True) -> PackedWeight:
+    from kernels.gguf_pack import pack_gguf
+    from tests.kernels.test_gguf_pack import random_raw
+
+    raws = [random_raw(t, n, k, seed=i) for i, t in enumerate(types)]
+    b = torch.randn(n * len(types), generator=torch.Generator().manual_seed(1)) if bias else None
+    return pack_gguf(list(zip(types, raws)), b)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", K_MIXES)
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 512), (130, 768)])
+def test_k_formats_match_the_reference_at_every_row_count(isa, types, n, k) -> None:
+    packed = _k_packed(types, n, k, bias=n % 2 == 0)
+    assert packed.fmt == ("q4_k" if types == ("Q4_K",) else "i8_k")
+    x = torch.randn(max(K_ROWS), k, generator=torch.Generator().manual_seed(2))
+    y = qlc.quant_linear(x, packed, isa)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    for rows in K_ROWS:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+    perm = torch.randperm(max(K_ROWS), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qlc.quant_linear(x[perm], packed, isa), y[perm])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qlc.quant_linear(x[:64], packed, isa), y[:64])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(qlc.available_isas()) < 2,
+                    reason="needs both the AVX2 and AVX-512 builds to run here")
+@pytest.mark.parametrize("types", K_MIXES)
+def test_k_formats_builds_are_bit_identical(types) -> None:
+    packed = _k_packed(types, 100, 512)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(4))
+    for rows in K_ROWS:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, "avx512"),
+                           qlc.quant_linear(x[:rows], packed, "avx2"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", K_MIXES)
+def test_k_formats_dequantize_to_the_files_values(isa, types) -> None:
+    packed = _k_packed(types, 70, 512)
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_k_formats_refuse_bad_super_blocks(isa) -> None:
+    packed = _k_packed(("Q4_K",), 16, 256)
+    x = torch.randn(2, 256)
+    for bad in (dataclasses.replace(packed, super_group=32),
+                dataclasses.replace(packed, super_min=None),
+                dataclasses.replace(packed, group=16)):
+        with pytest.raises(ValueError, match="rejected"):
+            qlc.quant_linear(x, bad, isa)

@@ -64,7 +64,7 @@ def test_blocks_are_gguf_py_dequantized_weights_bit_for_bit(tmp_path, qtype) -> 
         assert torch.equal(unpack(packed), ref)  # what the kernel multiplies by
         assert packed.scale.dtype == torch.float16
     if qtype == T.Q4_0:  # min = -8 d, exact in fp16
-        b = got.native[(0, "o")]
+        b = got.native[(0, "o")].decoded()
         assert torch.equal(b.m, -8 * b.d)
 
 
@@ -81,11 +81,15 @@ def test_fused_qkv_and_gate_up_rows_in_transformers_order(tmp_path) -> None:
     assert not got.dequantized
 
 
-def test_types_we_cannot_reproduce_or_mixed_parts_are_served_dequantized(tmp_path) -> None:
-    _write(tmp_path / "m.gguf", {"blk.0.ffn_down": T.Q5_0, "blk.0.attn_v": T.Q8_0})
+def test_types_without_a_kernel_are_served_dequantized_and_mixes_as_i8_k(tmp_path) -> None:
+    _write(tmp_path / "m.gguf", {"blk.0.ffn_down": T.F16, "blk.0.attn_v": T.Q8_0,
+                                 "blk.0.ffn_up": T.Q5_0})
     got = gw.read_linear_weights(str(tmp_path / "m.gguf"), 1, HEADS, KV_HEADS)
-    assert got.dequantized[(0, "down")] == ("Q5_0",)
-    assert got.dequantized[(0, "qkv")] == ("Q4_1", "Q4_1", "Q8_0")  # q4_1 and q8_0 parts
-    assert (0, "down") not in got.native and (0, "qkv") not in got.native
-    assert got.dequantized_types() == {"Q5_0": 1}
-    assert (0, "o") in got.native
+    # F16: fp32 holds it exactly, served as a dense layer and not reported as lost
+    assert got.dequantized[(0, "down")] == ("F16",)
+    assert got.dequantized_types() == {}
+    # a Q4_1 / Q8_0 mix and a Q4_1 / Q5_0 mix: 8-bit K-style blocks, still exact
+    for key in ((0, "qkv"), (0, "gate_up")):
+        assert got.native[key].fmt == "i8_k"
+        assert torch.equal(unpack(got.native[key].pack()), got.native[key].dequantize())
+    assert got.native[(0, "o")].fmt == "q4_1"

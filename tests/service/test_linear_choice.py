@@ -4,10 +4,12 @@ paths and a fake timer: deterministic, no kernel timed."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from kernels.quant_pack import unpack
 from service.worker.quantization import choice
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.paths import PATHS, LinearPath, candidates
@@ -378,3 +380,53 @@ def test_fusable_buckets_lean_to_cpp_paths_within_the_slack(cpp_ms, expect) -> N
     assert plan.choices["qkv"] == (expect, expect, "fast", "fast")
     plain = choice.choose_plan(LAYERS, paths, "int8", False, timer=timer, use_cache=False)
     assert plain.choices["qkv"] == ("fast",) * 4
+
+
+@dataclass(frozen=True)
+class _RawBlocks:
+    """What the paths use of ``gguf_weights.BlockWeight`` (fmt, pack) over raw GGUF rows."""
+
+    gguf_types: tuple[str, ...]
+    raw: tuple[torch.Tensor, ...]
+
+    @property
+    def fmt(self) -> str | None:
+        from kernels.gguf_pack import gguf_format
+        return gguf_format(self.gguf_types)
+
+    def pack(self, bias: torch.Tensor | None = None):
+        from kernels.gguf_pack import pack_gguf
+        return pack_gguf(list(zip(self.gguf_types, self.raw)), bias)
+
+
+def _k_layer(types: tuple[str, ...], n: int, k: int):
+    """GGUF K-quant parts of a fused layer: the blocks and their dequantized fp32 weight."""
+    from kernels.gguf_pack import dequantize_gguf
+    from tests.kernels.test_gguf_pack import random_raw
+    raw = tuple(random_raw(t, n, k, seed=i) for i, t in enumerate(types))
+    return _RawBlocks(types, raw), torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raw)])
+
+
+@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q4_K", "Q4_K", "Q6_K"), "i8_k")])
+def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
+    blocks, w = _k_layer(types, 64, 256)
+    assert blocks.fmt == fmt
+    lw = choice.LayerWeights(w, None, native=blocks)
+    got = choice.class_paths(candidates("auto", True), lw, True)
+    assert got and len({p.numerics for p in got}) == 1 and got[0].native == fmt
+    path = f"cpp-{fmt}-avx2"
+    assert PATHS[path].mode == "auto" and PATHS[path].accepts(lw)
+    assert not PATHS["bf16"].accepts(lw) and not PATHS["cpp-q4_1-avx2"].accepts(lw)
+    assert f"{fmt}-dequant-mm" in PATHS and f"cpp-{fmt}x16-avx2" not in PATHS
+    if PATHS[path].problem() is not None:
+        return
+    layers = {"qkv": (w, None)}
+
+    def timer(cls, rows, makers):
+        return {name: 1.0 if name == path else 3.0 for name in makers}
+
+    plan = choice.choose_plan(layers, [PATHS[n] for n in ("fp32", "cpp-f32-avx2", path)], "auto",
+                              False, timer=timer, natives={"qkv": blocks})
+    assert plan.choices["qkv"][0] == path and plan.errors["qkv"][path][0] < 1e-6
+    lin = PATHS[path].bind(lw)
+    assert lin.packed.fmt == fmt and torch.equal(unpack(lin.packed), w)

@@ -14,6 +14,8 @@ from service.worker.quantization.choice import choose_plan
 from service.worker.quantization.paths import BF16Linear, candidates, machine_note
 from service.worker.quantization.plan import DispatchLinear, LinearPlan
 
+from service.worker.gguf_weights import DENSE_TYPES
+
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight, GGUFLinearWeights
     from service.worker.model import LlamaModel
@@ -51,7 +53,7 @@ def log_dequantized(gguf: GGUFLinearWeights) -> None:
     by_type: dict[str, list[tuple[int | None, str]]] = {}
     for key, blocks in gguf.layers.items():
         if blocks.fmt is None:
-            for t in sorted(set(blocks.gguf_types)):
+            for t in sorted(set(blocks.gguf_types) - set(DENSE_TYPES)):
                 by_type.setdefault(t, []).append(key)
     for gguf_type, keys in sorted(by_type.items()):
         extra = sum(4 * gguf.layers[k].out_features * gguf.layers[k].in_features

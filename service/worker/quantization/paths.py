@@ -11,17 +11,20 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
+| ``cpp-{q4_k,i8_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; any K-quant mix in 8 bits), ours | fp32 | yes |
 | ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
 | ``cpp-{q4_1,q8_0}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
-| ``{int8,int4,q4_1,q8_0}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``{int8,int4,q4_1,q8_0,q4_k,i8_k}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
 here), ``auto-a8`` (auto's candidates plus the ``x8`` paths: the checkpoint's own weights
 times int8 activations, llama.cpp's CPU numerics; faster, not exact), and ``auto`` (the
 default): the checkpoint's own weights, never re-quantized, never int8 activations: a
-GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0
-paths over its own blocks (``service.worker.gguf_weights``) beside ``fp32`` and ``cpp-f32``
+GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0 paths, one in Q4_K the q4_k
+paths, one in other K-quants (or a mix: Q4_K_M's qkv with a Q6_K attn_v) the i8_k paths,
+over its own blocks (``service.worker.gguf_weights``, ``kernels.gguf_pack``: the format is
+``native.fmt``) beside ``fp32`` and ``cpp-f32``
 over the same weights dequantized; any other layer ``fp32`` / ``cpp-f32`` / ``bf16``.
 ``bf16`` is offered in auto, auto-a8, int8 and int4 for calls of 16 rows and more
 (``min_rows``) under its own error bound, and in the auto modes only to layers without a
@@ -171,11 +174,12 @@ class LayerWeights:
     paths share built once on first use (e.g. the int8 packing serves both C++ builds and
     the dequantizing path).
 
-    native: the checkpoint's own blocks of this weight (a GGUF tensor whose type our kernels
-    serve: ``service.worker.gguf_weights.RawBlocks`` or ``BlockWeight``), whose
-    dequantization is `weight`; None for a dense checkpoint or a block type served
-    dequantized. weight may be None where native is given: it is then dequantized from the
-    blocks on first use (only a path that is not native needs it)."""
+    native: the checkpoint's own blocks of this weight (GGUF tensors whose types our kernels
+    serve: ``service.worker.gguf_weights.RawBlocks`` or ``BlockWeight``; ``.fmt`` names the
+    packed format, ``.pack`` packs it), whose dequantization is `weight`; None for a dense
+    checkpoint or a block type served dequantized. weight may be None where native is
+    given: it is then dequantized from the blocks on first use (only a path that is not
+    native needs it)."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  int4_group: int = INT4_GROUP, native: NativeBlocks | None = None) -> None:
@@ -202,7 +206,7 @@ class LayerWeights:
 
     @property
     def native_fmt(self) -> str | None:
-        """"q4_1", "q8_0" or None (no native blocks)."""
+        """"q4_1", "q8_0", "q4_k", "i8_k" or None (no native blocks)."""
         return None if self.native is None else self.native.fmt
 
     @functools.cached_property
@@ -231,7 +235,7 @@ class LinearPath:
     "int4", "auto"; ``candidates`` says which modes offer it). row_invariant: a row's output
     never depends on the other rows of the call. quantizes_activations: needs SmoothQuant'd
     weights. bind: builds the callable. problem: why the path cannot run here (None when it
-    can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0"; it serves
+    can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0", "q4_k", "i8_k"; it serves
     only layers that have them), or None (any layer). min_rows: offered for calls of at
     least this many rows. error_bound: its own relative error bound (None: the mode's).
     activation_bits: what x is rounded to before the product (32: fp32, as given).
@@ -289,8 +293,12 @@ def _dequant_problem() -> str | None:
 
 
 _PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
-           "q4_1": "packed_native", "q8_0": "packed_native"}
-_NATIVE = ("q4_1", "q8_0")
+           "q4_1": "packed_native", "q8_0": "packed_native", "q4_k": "packed_native",
+           "i8_k": "packed_native"}
+_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k")
+"""Formats of a checkpoint's own blocks (``native.fmt``) that have paths."""
+_ACT_NATIVE = ("q4_1", "q8_0")
+"""Those with int8 / int16 activation variants (x8, x16)."""
 
 
 def _cpp_act8(fmt: str, isa: str) -> LinearPath:
@@ -316,7 +324,7 @@ def _cpp_act16(fmt: str, isa: str) -> LinearPath:
 
 def _cpp(fmt: str, isa: str) -> LinearPath:
     attr = _PACKED[fmt]
-    mode = {"f32": "none", "q4_1": "auto", "q8_0": "auto"}.get(fmt, fmt)
+    mode = "none" if fmt == "f32" else "auto" if fmt in _NATIVE else fmt
     return LinearPath(f"cpp-{fmt}-{isa}", mode, True, False,
                       lambda lw: CppLinear(getattr(lw, attr), isa), _isa_problem(isa),
                       native=fmt if fmt in _NATIVE else None)
@@ -345,8 +353,12 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("q4_1"),
     *[_cpp("q8_0", isa) for isa in qlc.VARIANTS],
     _dequant("q8_0"),
-    *[_cpp_act8(fmt, isa) for fmt in _NATIVE for isa in qlc.VARIANTS],
-    *[_cpp_act16(fmt, isa) for fmt in _NATIVE for isa in qlc.VARIANTS],
+    *[_cpp("q4_k", isa) for isa in qlc.VARIANTS],
+    _dequant("q4_k"),
+    *[_cpp("i8_k", isa) for isa in qlc.VARIANTS],
+    _dequant("i8_k"),
+    *[_cpp_act8(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
+    *[_cpp_act16(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
                lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND,
                rounds_native=False),
@@ -360,7 +372,8 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
     int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
     than fp32. auto: every weight-only path over the checkpoint's own weights (``fp32``,
-    ``cpp-f32-*``, the native q4_1 / q8_0 paths; each layer takes those that accept it),
+    ``cpp-f32-*``, the native q4_1 / q8_0 / q4_k / i8_k paths; each layer takes those that
+    accept it),
     the int16-activation ``x16`` paths over those blocks, and bf16 for layers without blocks;
     never int8 activations. int8 and int4 offer bf16 too; none never.
     batch_invariant: only row-invariant paths of one numerics per layer (our C++ kernels of

@@ -1,0 +1,48 @@
+"""The fused decode forward over q4_k / i8_k layers (GGUF K-quant blocks): it passes their
+super-block scales to the linear kernel, so a step's logits match the same model with the
+same weights as fp32 panels (up to fp32 rounding), on every build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_forward_cpu as dfc
+from kernels import quant_linear_cpu as qlc
+from kernels.gguf_pack import pack_gguf
+from kernels.quant_pack import PackedWeight, pack_f32, unpack
+from tests.kernels.test_gguf_pack import random_raw
+
+pytestmark = pytest.mark.skipif(not qlc.available_isas() or dfc.build_problem() is not None,
+                                reason="the fused forward needs the C++ kernels (g++)")
+H, HEADS, KV_HEADS, D, INTER, VOCAB = 256, 4, 2, 64, 256, 64
+
+
+def _model(packed: dict[str, PackedWeight], isa: str, g: torch.Generator) -> dfc.FusedForward:
+    kv = torch.zeros(2, 4, 16, KV_HEADS, D)
+    layer = dfc.FusedLayer(*[(packed[n], isa) for n in ("qkv", "o", "gate_up", "down")],
+                           ln1=torch.ones(H), ln2=torch.ones(H), kv=kv)
+    angles = torch.arange(32)[:, None] * 0.1 * torch.arange(1, D // 2 + 1)[None] / D
+    return dfc.FusedForward([layer], (packed["lm_head"], isa),
+                            torch.randn(VOCAB, H, generator=g), torch.ones(H),
+                            angles.cos().contiguous(), angles.sin().contiguous(),
+                            num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=D,
+                            intermediate=INTER, eps=1e-5, scale=D ** -0.5)
+
+
+@pytest.mark.parametrize("isa", qlc.available_isas())
+def test_fused_step_over_k_formats_matches_fp32_panels(isa) -> None:
+    parts = {"qkv": [("Q4_K", HEADS * D), ("Q4_K", KV_HEADS * D), ("Q6_K", KV_HEADS * D)],
+             "o": [("Q4_K", H)], "gate_up": [("Q4_K", INTER), ("Q4_K", INTER)],
+             "down": [("Q6_K", H)], "lm_head": [("Q6_K", VOCAB)]}
+    k_of = {"o": HEADS * D, "down": INTER}
+    packed = {name: pack_gguf([(t, random_raw(t, n, k_of.get(name, H), seed=i))
+                               for i, (t, n) in enumerate(ps)]) for name, ps in parts.items()}
+    assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k"}
+    dense = {name: pack_f32(unpack(p)) for name, p in packed.items()}
+    step = (torch.tensor([3, 7]), torch.tensor([0, 0]), torch.tensor([0, 16]),
+            torch.tensor([[0, 0], [1, 0]]), torch.tensor([1, 1]), torch.tensor([0, 1]))
+    got = _model(packed, isa, torch.Generator().manual_seed(0))(*step)
+    want = _model(dense, isa, torch.Generator().manual_seed(0))(*step)
+    assert got.shape == (2, VOCAB) and bool(torch.isfinite(got).all()) and float(got.std()) > 0
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
