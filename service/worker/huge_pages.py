@@ -72,12 +72,12 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return t.zero_()
 
 
-def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
-    """Copies of CPU `tensors` (same dtype, shape and values, contiguous) carved out of one
-    buffer whose memory is advised to huge pages before it is written: an arena, so that
-    many small tensors share 2 MiB pages instead of each taking (or missing) its own.
-    Each copy starts at a multiple of `align` bytes. The originals are left as they are."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
+def slots_on_huge_pages(like: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Empty tensors shaped as `like` (same dtype and shape, contiguous, not yet written:
+    no memory is touched) carved out of one buffer whose memory is advised to huge pages:
+    an arena, so that many small tensors share 2 MiB pages instead of each taking (or
+    missing) its own. Each starts at a multiple of `align` bytes."""
+    sizes = [t.numel() * t.element_size() for t in like]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
@@ -86,8 +86,11 @@ def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> list[t
     skip = (-arena.data_ptr()) % HUGE_PAGE
     arena = arena[skip:skip + total]
     advise_huge_pages(arena)
-    out = []
-    for t, off, n in zip(tensors, offsets, sizes):
-        c = arena[off:off + n].view(t.dtype).view(t.shape)
-        out.append(c.copy_(t))
-    return out
+    return [arena[off:off + n].view(t.dtype).view(t.shape)
+            for t, off, n in zip(like, offsets, sizes)]
+
+
+def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Copies of CPU `tensors` (same dtype, shape and values, contiguous) in one huge-page
+    arena (``slots_on_huge_pages``). The originals are left as they are."""
+    return [c.copy_(t) for c, t in zip(slots_on_huge_pages(tensors, align), tensors)]

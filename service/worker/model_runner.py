@@ -21,6 +21,7 @@ from service.worker.cpu_threads import default_num_threads
 from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, default_model_path, load_model, model_name
 from service.worker.sliding_window import context_limit
+from service.worker.heap_trim import trim_heap
 from service.worker.memory_fit import MemoryNeed, check_fits, weights_need
 from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
 from service.worker.fused_forward import build_fused_forward
@@ -153,6 +154,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.swap_caches = [torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin)
                             for _ in range(self.model.num_layers)] if self.num_swap_blocks else []
+        trim_heap()  # packing's freed scratch back to the system
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; swap space %d blocks",
                  self.num_blocks, cc.block_size, str(self.kv_dtype).removeprefix("torch."),
                  self.kv_cache_bytes / 2**20, self.num_swap_blocks)

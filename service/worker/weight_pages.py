@@ -20,7 +20,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from kernels.quant_pack import PackedWeight
-from service.worker.huge_pages import copies_on_huge_pages
+from service.worker.huge_pages import slots_on_huge_pages
 from service.worker.quantization.paths import CppLinear
 from service.worker.quantization.plan import DispatchLinear, bucket_index
 
@@ -35,8 +35,8 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     freed unless something else holds them. Many-row buckets are compute-bound and keep
     their pages (the fp32 copies some take would add 0.6 GB to the move). Call it before
     anything keeps the weights' addresses (the fused forward does). Returns the bytes moved
-    (0 where no such path runs on a C++ kernel). The move holds both copies at once for a
-    moment."""
+    (0 where no such path runs on a C++ kernel). Weights move one at a time, each freed once
+    copied, so memory grows by one weight at most."""
     buckets = range(bucket_index(max_rows) + 1)
     paths: dict[int, CppLinear] = {}  # by id: buckets that share a path share the object
     for lin in model.linears():
@@ -45,15 +45,24 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
             if isinstance(fn, CppLinear):
                 paths.setdefault(id(fn), fn)
     weights: dict[int, PackedWeight] = {}
+    users: dict[int, list[CppLinear]] = {}
     for fn in paths.values():
         weights.setdefault(id(fn.packed), fn.packed)
-    fields = ("data", "scale", "minv", "bias")
-    tensors = [getattr(w, f) for w in weights.values() for f in fields
-               if getattr(w, f) is not None]
-    copies = iter(copies_on_huge_pages(tensors))
-    moved = {key: dataclasses.replace(w, **{f: next(copies) for f in fields
-                                            if getattr(w, f) is not None})
-             for key, w in weights.items()}
-    for fn in paths.values():
-        fn.packed = moved[id(fn.packed)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        users.setdefault(id(fn.packed), []).append(fn)
+    fields = [f.name for f in dataclasses.fields(PackedWeight)
+              if f.type in ("torch.Tensor | None", "torch.Tensor")]
+    slots = iter(slots_on_huge_pages([getattr(w, f) for w in weights.values() for f in fields
+                                      if getattr(w, f) is not None]))
+    moved = 0
+    # one weight at a time: copied, then its old tensors freed (nothing else holds them),
+    # so the move needs the arena and one weight beside it, not two copies of every weight
+    for key in list(weights):
+        w = weights.pop(key)
+        copies = {f: next(slots).copy_(getattr(w, f)) for f in fields
+                  if getattr(w, f) is not None}
+        moved += sum(t.numel() * t.element_size() for t in copies.values())
+        new = dataclasses.replace(w, **copies)
+        for fn in users.pop(key):
+            fn.packed = new
+        del w, new, copies
+    return moved
