@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -205,8 +206,11 @@ class RawBlocks:
         ``dequantize()`` bit for bit. Raises ValueError where ``fmt`` is None."""
         if self.fmt is None:
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
-        return pack_gguf([(t, torch.from_numpy(np.ascontiguousarray(r)))
-                          for t, r in zip(self.gguf_types, self.raw)], bias)
+        with warnings.catch_warnings():  # read-only file views, only read by pack_gguf
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            parts = [(t, torch.from_numpy(np.ascontiguousarray(r)))
+                     for t, r in zip(self.gguf_types, self.raw)]
+        return pack_gguf(parts, bias)
 
     def release(self) -> None:
         """Drop the file's pages behind it from the resident set (``release_pages``)."""
