@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,10 +96,20 @@ def check_no_hub_kernels() -> None:
         "which requires it)")
 
 
+_QUANT_SUFFIX = re.compile(r"[.-]((I?Q\d[A-Z0-9_]*)|F16|BF16|F32)$", re.IGNORECASE)
+
+
 def model_name(path: str) -> str:
-    """A display name: `SmolLM2-135M-Instruct` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`."""
+    """A display name: the file's name without ``.gguf`` and a final quantization label
+    after a dot (`SmolLM2-135M-Instruct` for `.../SmolLM2-135M-Instruct.Q4_1.gguf`,
+    `llama-3.1-8b` for `llama-3.1-8b.Q4_K_M.gguf`, `llama-3.1-8b-Q4_K_M` kept whole when
+    the label follows a dash: the name's own dots stay); a folder's name."""
     p = Path(path.rstrip("/"))
-    return p.name.split(".")[0] if p.suffix == ".gguf" else p.name
+    if p.suffix != ".gguf":
+        return p.name
+    stem = p.name[: -len(".gguf")]
+    m = _QUANT_SUFFIX.search(stem)
+    return stem[: m.start()] if m and stem[m.start()] == "." else stem
 
 
 def _source(path: str) -> tuple[str, dict]:

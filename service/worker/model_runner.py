@@ -152,7 +152,9 @@ class ModelRunner:
         self.num_swap_blocks = int(cc.swap_space * (1 << 30)) // per_block
         swap_shape = (2, self.num_swap_blocks) + shape[2:]
         pin = self.device.type == "cuda"
-        self.swap_caches = [torch.zeros(swap_shape, dtype=self.kv_dtype, pin_memory=pin)
+        # empty, not zeros: a swap block is always written before it is read, and untouched
+        # pages stay off the resident set until a preemption first swaps into them
+        self.swap_caches = [torch.empty(swap_shape, dtype=self.kv_dtype, pin_memory=pin)
                             for _ in range(self.model.num_layers)] if self.num_swap_blocks else []
         trim_heap()  # packing's freed scratch back to the system
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB; swap space %d blocks",
