@@ -75,3 +75,12 @@ def test_fused_decode_looks_up_rows_from_blocks(runners, tokenizer) -> None:
 def test_a_model_of_blocks_needs_the_auto_mode(served_model) -> None:
     with pytest.raises(ValueError, match="served in quantization auto"):
         make_runner(served_model, "int8", 64)
+
+
+def test_batch_invariant_mode_serves_the_blocks_row_invariantly(served_model, tokenizer) -> None:
+    runner = make_runner(served_model, "auto", 256, batch_invariant=True)
+    assert all(n.startswith("cpp-") and "x16" not in n and "x8" not in n
+               for names in runner.linear_plan.choices.values() for n in names)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    alone = [greedy(runner, [p], 6)[0] for p in prompts]
+    assert greedy(runner, prompts, 6) == alone
