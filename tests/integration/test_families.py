@@ -55,12 +55,9 @@ _state: dict[str, dict] = {}
 def _oracle_model(path):
     from transformers import AutoModelForCausalLM
 
-    from service.worker.gguf_parse import shared_gguf_parse
-
     if path.suffix == ".gguf":
-        with shared_gguf_parse():
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                         dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
@@ -84,6 +81,7 @@ def _case(name: str, tmp_path_factory) -> dict:
     made once per module."""
     if name in _state:
         return _state[name]
+    from service.worker.gguf_parse import shared_gguf_parse
     from service.worker.loader import load_model
 
     folder = tmp_path_factory.mktemp(name)
@@ -91,11 +89,12 @@ def _case(name: str, tmp_path_factory) -> dict:
         path = write_family_gguf(name, folder / f"{name}.gguf")
     else:
         path = write_family(name, folder / name)
-    loaded = load_model(str(path), torch.float32)
+    with shared_gguf_parse():   # a GGUF file parsed once for both loads
+        loaded = load_model(str(path), torch.float32)
+        model = _oracle_model(path)
     tok = loaded.tokenizer
     window = WINDOWS.get(name)
     prompts = [tok.encode(p) for p in (LONG_PROMPTS if window else PROMPTS)]
-    model = _oracle_model(path)
     want, margins = zip(*(_generate(model, ids, N_NEW) for ids in prompts))
     st = {"path": path, "loaded": loaded, "prompts": prompts, "want": list(want),
           "margin": min(margins), "window": window}
