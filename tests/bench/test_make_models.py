@@ -157,3 +157,25 @@ def test_estimated_bytes_is_the_data(tiny_q4_k_m, monkeypatch):
     # the rest is the header: metadata with SmolLM2's tokenizer (about 1.5 MB), the tensor
     # table and alignment padding
     assert data < path.stat().st_size < data + 4_000_000
+
+
+def _llama_server():
+    from service.bench.llama_server import find_llama_server
+
+    return find_llama_server()
+
+
+@pytest.mark.skipif(_llama_server() is None,
+                    reason="no llama-server binary: scripts/build_llama_server builds one "
+                           "(or set CONVEYOR_LLAMA_SERVER)")
+@pytest.mark.parametrize("shape,ftype", [(TINY, "Q4_K_M"), (TINY_QWEN, "Q4_0")],
+                         ids=["llama-Q4_K_M", "qwen2-Q4_0"])
+def test_llama_server_serves_the_files(shape, ftype, tmp_path):
+    """llama.cpp loads the metadata, tokenizer, tensor types (rope_freqs, qkv biases
+    included) and serves a completion from the random weights."""
+    from service.bench.llama_build import check_server
+
+    path = tmp_path / f"{shape.name}-{ftype}.gguf"
+    write_gguf(path, shape, FILE_TYPES[ftype], tokenizer_gguf=default_model_path())
+    result = check_server(_llama_server(), path, threads=1)
+    assert result.ok, result.detail
