@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from service.bench.gguf_model import default_std
+from service.bench.gguf_writer import default_std
 from service.bench.model_shapes import ModelShape, TensorSpec, hf_config, tensors
 
 SHARD_BYTES = 5 * 10**9     # transformers' save_pretrained default

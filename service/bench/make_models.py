@@ -52,7 +52,7 @@ def _size(path: Path) -> int:
 
 def estimated_bytes(shape: str, ftype: str) -> int:
     """The data bytes of one checkpoint (headers and the tokenizer not counted)."""
-    from service.bench.gguf_model import _nbytes
+    from service.bench.gguf_writer import _nbytes
     from service.bench.gguf_types import tensor_type
 
     s = SHAPES[shape]
@@ -65,7 +65,7 @@ def estimated_bytes(shape: str, ftype: str) -> int:
 
 def make(shape: str, ftype: str, out: Path, seed: int) -> Path:
     """Write one checkpoint; returns its path (a .gguf file or an HF folder)."""
-    from service.bench.gguf_model import write_gguf
+    from service.bench.gguf_writer import write_gguf
     from service.bench.hf_model import write_hf_folder
     from service.worker.loader import default_model_path
 

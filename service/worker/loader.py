@@ -172,6 +172,9 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
             generation_eos = getattr(hf.generation_config, "eos_token_id", None)
     if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
+    inv_freq = rotary.inv_freq.detach().float().clone()
+    if "gguf_file" in kw and getattr(rotary, "rope_type", "default") == "default":
+        inv_freq = gguf_rope_factors(path, inv_freq)
     eos: set[int] = set()
     for src in (config.eos_token_id, generation_eos, tokenizer.eos_token_id):
         if isinstance(src, int):
@@ -183,13 +186,34 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
         hf_config=config,
         tokenizer=tokenizer,
         weights=weights,
-        inv_freq=rotary.inv_freq.detach().float().clone(),
+        inv_freq=inv_freq,
         attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
         eos_token_ids=frozenset(eos),
         gguf_path=str(Path(path).resolve()) if "gguf_file" in kw else None,
         gguf_linear=linear,
         embedding=embedding,
     )
+
+
+def gguf_rope_factors(path: str, inv_freq: torch.Tensor) -> torch.Tensor:
+    """`inv_freq` [D/2] divided by the file's ``rope_freqs.weight`` where it has one.
+
+    llama.cpp's converter keeps Llama 3's rope scaling (``rope_type: llama3``) only as that
+    tensor of per-frequency factors (1 for short wavelengths, ``factor`` for long ones,
+    ``1 / ((1 - s) / factor + s)`` between: transformers' llama3 ``inv_freq`` is the
+    default one divided by them), and llama.cpp divides each rotary angle by it.
+    transformers' GGUF loader reads neither, and would serve a Llama 3.1 / 3.2 file with
+    unscaled frequencies. Raises ValueError for a tensor of another length."""
+    from service.worker.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    if not f.has("rope_freqs.weight"):
+        return inv_freq
+    factors = f.vector("rope_freqs.weight")
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"{path}: rope_freqs.weight has {factors.numel()} values, the "
+                         f"rotary embedding {inv_freq.numel()} frequencies")
+    return inv_freq / factors
 
 
 def check_architecture(path: str, config: object) -> None:

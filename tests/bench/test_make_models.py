@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader
 from gguf.quants import dequantize
 
-from service.bench.gguf_model import write_gguf
+from service.bench.gguf_writer import write_gguf
 from service.bench.gguf_types import FILE_TYPES, tensor_type, use_more_bits
 from service.bench.hf_model import write_hf_folder
 from service.bench.make_models import main

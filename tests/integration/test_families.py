@@ -89,14 +89,18 @@ def _case(name: str, tmp_path_factory) -> dict:
         path = write_family_gguf(name, folder / f"{name}.gguf")
     else:
         path = write_family(name, folder / name)
-    with shared_gguf_parse():   # a GGUF file parsed once for both loads
+    with shared_gguf_parse():   # a GGUF file parsed once for the loads
         loaded = load_model(str(path), torch.float32)
+        # the auto modes serve a GGUF file's own blocks, as `conveyor serve` loads it
+        blocks = load_model(str(path), torch.float32, blocks=True) \
+            if path.suffix == ".gguf" else loaded
         model = _oracle_model(path)
     tok = loaded.tokenizer
     window = WINDOWS.get(name)
     prompts = [tok.encode(p) for p in (LONG_PROMPTS if window else PROMPTS)]
     want, margins = zip(*(_generate(model, ids, N_NEW) for ids in prompts))
-    st = {"path": path, "loaded": loaded, "prompts": prompts, "want": list(want),
+    st = {"path": path, "loaded": loaded, "blocks": blocks, "prompts": prompts,
+          "want": list(want),
           "margin": min(margins), "window": window}
     if window:
         assert all(len(ids) >= 2 * window for ids in prompts)
@@ -130,7 +134,8 @@ def _first_diff(got: list[int], want: list[int]) -> str:
 def _llm(st: dict, mode: str | None):
     from service.llm import LLM
 
-    return LLM(loaded=st["loaded"], quantization=mode, num_kv_blocks=256, max_num_seqs=8,
+    return LLM(loaded=st["blocks"] if mode in ("auto", "auto-a8") else st["loaded"],
+               quantization=mode, num_kv_blocks=256, max_num_seqs=8,
                max_num_batched_tokens=512)
 
 

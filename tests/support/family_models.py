@@ -146,7 +146,7 @@ def gguf_shape(arch: str):
 
 def write_family_gguf(name: str, path: Path, seed: int = 0) -> Path:
     """Write the GGUF checkpoint `name` at `path` (values from a seeded generator)."""
-    from service.bench.gguf_model import default_std, write_gguf
+    from service.bench.gguf_writer import default_std, write_gguf
     from service.bench.gguf_types import FILE_TYPES
     from service.worker.loader import default_model_path
 
