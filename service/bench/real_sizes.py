@@ -141,6 +141,11 @@ def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: P
             failure = _phase_failure(phase, run)
             if failure:
                 break
+        if "long" in runs:  # not 0: the long prompt hit a prefix cache, its TTFT is not cold
+            detail["long_cached_tokens"] = runs["long"].records[0].cached_tokens
+            if detail["long_cached_tokens"]:
+                _say(f"{file} {server_name}: WARNING: the long prompt reused "
+                     f"{detail['long_cached_tokens']} cached tokens")
         rc = server.exited(wait_s=0.0 if failure is None else 2.0)
         if rc is None:
             vmhwm = read_vmhwm(server.proc.pid)
