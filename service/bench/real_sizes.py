@@ -90,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             details.append(detail)
             _say(f"{row.file} {row.server}: {row.figures}"
                  + (f" FAILED: {row.failure}" if row.failure else ""))
-    print(format_table(rows))
+    table = format_table(rows, concurrent=cfg.concurrent, long_prompt=cfg.long_prompt)
+    print(table)
     print(VMHWM_NOTE)
     print(f"context, both servers: {files[0]['n_seqs']} sequences x {files[0]['slot_ctx']} "
           f"tokens = {files[0]['ctx_total']} tokens of KV; {threads} threads; greedy, ignore_eos")
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "argv": argv, "machine": machine, "threads": threads, "config": asdict(cfg),
                "notes": {"vmhwm": VMHWM_NOTE, "one_user_tok_s": "output tokens / duration of "
                          "the sequential requests", "ratios": "conveyor / llama-server"},
-               "files": files, "table": format_table(rows).splitlines(),
+               "files": files, "table": table.splitlines(),
                "rows": [{"file": r.file, "server": r.server, "figures": r.figures.to_json(),
                          "failure": r.failure, **d} for r, d in zip(rows, details)],
                "ratios": file_ratios(rows)}

@@ -7,8 +7,8 @@ One row per (file, server), each from one fresh server process:
                   requests
     1-user tok/s  one user: output tokens / the run's duration (sequential requests,
                   prefill and the gaps between requests included)
-    8-conc tok/s  every request of the concurrent phase at once: output tokens / duration
-    TTFT 2k ms    one long prompt never sent before (no prefix-cache hit), time to its
+    N-conc tok/s  every request of the concurrent phase at once: output tokens / duration
+    TTFT Nt ms    one long prompt never sent before (no prefix-cache hit), time to its
                   first token
     VmHWM MiB     the server process's peak resident set over the whole run, read from
                   /proc/PID/status just before it is stopped; it counts file-backed pages
@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-# (key, column head, digits after the point)
+# (key, column head, digits after the point); heads name the phases' sizes
 COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("load_s", "load s", 2),
     ("itl_p50_ms", "ITL p50 ms", 2),
     ("one_user_tok_s", "1-user tok/s", 1),
-    ("concurrent_tok_s", "8-conc tok/s", 1),
-    ("long_ttft_ms", "TTFT 2k ms", 1),
+    ("concurrent_tok_s", "{concurrent}-conc tok/s", 1),
+    ("long_ttft_ms", "TTFT {long}t ms", 1),
     ("vmhwm_mib", "VmHWM MiB", 1),
 )
 
@@ -100,9 +100,10 @@ def _cell(value: float | None, digits: int, failed: bool) -> str:
     return f"{value:.{digits}f}"
 
 
-def format_table(rows: Sequence[Row]) -> str:
+def format_table(rows: Sequence[Row], *, concurrent: int = 8, long_prompt: int = 2000) -> str:
     """The text table: a row per (file, server) in the given order, a ratio row
-    ("x conveyor/llama") after each file's rows, and a line per failure.
+    ("x conveyor/llama") after each file's rows, and a line per failure. `concurrent`
+    and `long_prompt` name the phases' sizes in the heads ("8-conc tok/s", "TTFT 2000t ms").
 
     E.g.
         file             server          load s  ITL p50 ms ...
@@ -111,10 +112,10 @@ def format_table(rows: Sequence[Row]) -> str:
         smol.gguf        conveyor/llama   x7.75       x2.00 ...
     """
     ratio_of = file_ratios(rows)
+    heads = [head.format(concurrent=concurrent, long=long_prompt) for _, head, _ in COLUMNS]
     name_w = max(16, *(len(r.file) + 2 for r in rows)) if rows else 16
-    width = max(len(head) for _, head, _ in COLUMNS) + 2
-    lines = [f"{'file':<{name_w}}{'server':<16}"
-             + "".join(head.rjust(width) for _, head, _ in COLUMNS)]
+    width = max(len(head) for head in heads) + 2
+    lines = [f"{'file':<{name_w}}{'server':<16}" + "".join(head.rjust(width) for head in heads)]
     for i, row in enumerate(rows):
         lines.append(f"{row.file:<{name_w}}{row.server + (' FAILED' if row.failure else ''):<16}"
                      + "".join(_cell(getattr(row.figures, k), d, bool(row.failure)).rjust(width)

@@ -56,6 +56,7 @@ def test_the_table_has_a_row_per_file_and_server_and_a_ratio_row_per_file() -> N
             Row("b.gguf", "llama-server", Figures(load_s=0.5), failure="died: exit code 3")]
     lines = format_table(rows).splitlines()
     assert lines[0].split()[:2] == ["file", "server"] and "VmHWM MiB" in lines[0]
+    assert "8-conc tok/s" in lines[0] and "TTFT 2000t ms" in lines[0]
     assert lines[1].split() == ["a.gguf", "conveyor", "2.00", "4.00", "3.0", "8.0", "10.0", "3.0"]
     assert lines[2].split() == ["a.gguf", "llama-server", "1.00", "2.00", "3.0", "4.0", "5.0",
                                 "6.0"]
@@ -69,8 +70,9 @@ def test_the_table_has_a_row_per_file_and_server_and_a_ratio_row_per_file() -> N
 
 
 def test_a_file_without_its_peer_has_no_ratio_row() -> None:
-    lines = format_table([Row("a.gguf", "conveyor", Figures(1.0))]).splitlines()
-    assert len(lines) == 2
+    lines = format_table([Row("a.gguf", "conveyor", Figures(1.0))], concurrent=4,
+                         long_prompt=600).splitlines()
+    assert len(lines) == 2 and "4-conc tok/s" in lines[0] and "TTFT 600t ms" in lines[0]
 
 
 def test_cpu_summary_names_the_model_and_the_extension_groups() -> None:
