@@ -48,6 +48,9 @@ VMHWM_NOTE = ("VmHWM: the server process's peak resident set, read from /proc/PI
               "just before it was stopped; it counts file-backed mapped pages (a memory-mapped "
               "GGUF) as well as anonymous memory")
 
+KV_NOTE = ("KV element type: each server's default (Conveyor: the model's --dtype, float32 "
+           "on the CPU; llama-server: f16) unless --server-args / --llama-server-args set it")
+
 PhaseRunner = Callable[[HealthCheckedProcess, LoadPlan, str], list[RequestRecord]]
 
 
@@ -94,13 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     print(VMHWM_NOTE)
     print(f"context, both servers: {files[0]['n_seqs']} sequences x {files[0]['slot_ctx']} "
-          f"tokens = {files[0]['ctx_total']} tokens of KV; {threads} threads; greedy, ignore_eos")
+          f"tokens = {files[0]['ctx_total']} tokens of KV; {threads} threads; greedy, ignore_eos; "
+          f"{KV_NOTE}")
     if a.json:
         doc = {"schema": SCHEMA,
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "argv": argv, "machine": machine, "threads": threads, "config": asdict(cfg),
                "notes": {"vmhwm": VMHWM_NOTE, "one_user_tok_s": "output tokens / duration of "
-                         "the sequential requests", "ratios": "conveyor / llama-server"},
+                         "the sequential requests", "ratios": "conveyor / llama-server",
+                         "kv": KV_NOTE},
                "files": files, "table": table.splitlines(),
                "rows": [{"file": r.file, "server": r.server, "figures": r.figures.to_json(),
                          "failure": r.failure, **d} for r, d in zip(rows, details)],
