@@ -100,19 +100,25 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"tokens = {files[0]['ctx_total']} tokens of KV; {threads} threads; greedy, ignore_eos; "
           f"{KV_NOTE}")
     if a.json:
-        doc = {"schema": SCHEMA,
-               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "argv": argv, "machine": machine, "threads": threads, "config": asdict(cfg),
-               "notes": {"vmhwm": VMHWM_NOTE, "one_user_tok_s": "output tokens / duration of "
-                         "the sequential requests", "ratios": "conveyor / llama-server",
-                         "kv": KV_NOTE},
-               "files": files, "table": table.splitlines(),
-               "rows": [{"file": r.file, "server": r.server, "figures": r.figures.to_json(),
-                         "failure": r.failure, **d} for r, d in zip(rows, details)],
-               "ratios": file_ratios(rows)}
-        write_json(a.json, doc)
+        write_json(a.json, {"schema": SCHEMA, "created": _now(), "argv": argv,
+                            "machine": machine, "threads": threads, "config": asdict(cfg),
+                            "files": files, "table": table.splitlines(),
+                            **_rows_json(rows, details)})
         _say(f"wrote {a.json}")
     return 1 if any(r.failure for r in rows) else 0
+
+
+def _rows_json(rows: list[Row], details: list[dict]) -> dict[str, object]:
+    """The rows (figures, failure, target, each phase's run), the ratios and the notes."""
+    return {"notes": {"vmhwm": VMHWM_NOTE, "kv": KV_NOTE, "ratios": "conveyor / llama-server",
+                      "one_user_tok_s": "output tokens / duration of the sequential requests"},
+            "rows": [{"file": r.file, "server": r.server, "figures": r.figures.to_json(),
+                      "failure": r.failure, **d} for r, d in zip(rows, details)],
+            "ratios": file_ratios(rows)}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: Phases,
@@ -128,7 +134,8 @@ def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: P
         rc = server.exited()
         server.close()
         detail["target"]["exit_code"] = rc
-        return Row(file, server_name, Figures(), str(e).split("\n")[0].rstrip(":")), detail
+        reason = str(e).split("\n")[0].rstrip(":")
+        return Row(file, server_name, Figures(), f"{reason} (log: {server.log_path})"), detail
     load_s = time.perf_counter() - t0
     runs: dict[str, RunResult] = {}
     failure = vmhwm = None

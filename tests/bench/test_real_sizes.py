@@ -196,7 +196,7 @@ def test_a_server_that_cannot_start_is_a_failed_row(tmp_path) -> None:
     phases = _tiny_phases()
     row, detail = measure("f.gguf", "llama-server", _server(binary, phases), phases,
                           _run_llama(True))
-    assert row.failure == "llama-server exited with code 3 while starting"
+    assert row.failure.startswith("llama-server exited with code 3 while starting (log: ")
     assert row.figures == Figures() and detail["target"]["exit_code"] == 3
 
 
