@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 detail["target"]["build"] = build_info(binary)
             rows.append(row)
             details.append(detail)
-            _say(f"{row.file} {row.server}: {row.figures}"
+            _say(f"{row.file} {row.server}: {row.figures}; load average {detail['loadavg']}"
                  + (f" FAILED: {row.failure}" if row.failure else ""))
     table = format_table(rows, concurrent=cfg.concurrent, long_prompt=cfg.long_prompt)
     print(table)
@@ -126,7 +126,8 @@ def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: P
     """Start `server` (timing it), run the phases, read VmHWM, stop it. Returns the row and
     its JSON details (target, each phase's run). A failure ends the row there."""
     server.poll_s = HEALTH_POLL_S
-    detail: dict = {"target": {"argv": server.argv, "server_log": server.log_path}, "phases": {}}
+    detail: dict = {"target": {"argv": server.argv, "server_log": server.log_path}, "phases": {},
+                    "loadavg": {"start": read_loadavg()}}  # a busy machine shows here
     t0 = time.perf_counter()
     try:
         server.start()
@@ -159,6 +160,7 @@ def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: P
             if detail["long_cached_tokens"]:
                 _say(f"{file} {server_name}: WARNING: the long prompt reused "
                      f"{detail['long_cached_tokens']} cached tokens")
+        detail["loadavg"]["end"] = read_loadavg()
         rc = server.exited(wait_s=0.0 if failure is None else 2.0)
         if rc is None:
             vmhwm = read_vmhwm(server.proc.pid)
@@ -190,6 +192,14 @@ def read_vmhwm(pid: int) -> int | None:
     """Bytes of the process's VmHWM, or None when it cannot be read (it has exited)."""
     try:
         return parse_vmhwm(Path(f"/proc/{pid}/status").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (/proc/loadavg), or None where unreadable."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
     except (OSError, ValueError):
         return None
 

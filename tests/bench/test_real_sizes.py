@@ -174,6 +174,7 @@ def test_one_server_measured_end_to_end_on_the_fake(tmp_path) -> None:
     assert all(v is not None and v > 0 for v in f.to_json().values()), f
     assert server.proc.poll() is not None  # stopped
     assert set(detail["phases"]) == {"one_user", "concurrent", "long"}
+    assert all(len(detail["loadavg"][k]) == 3 for k in ("start", "end"))
     assert detail["target"]["argv"][detail["target"]["argv"].index("-np") + 1] == "4"
     json.dumps(detail, allow_nan=False)
 
