@@ -203,7 +203,8 @@ def test_a_server_that_cannot_start_is_a_failed_row(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_real_sizes_e2e_on_the_default_gguf(tmp_path) -> None:
-    """The whole mode on the default 135M GGUF, with the real llama-server when built."""
+    """The whole mode on the default 135M GGUF (small phases), with the real llama-server
+    when built (this checkout's build/llama.cpp/bin, or $CONVEYOR_LLAMA_SERVER)."""
     from service.bench.llama_server import find_llama_server
     from service.bench.real_sizes import main
 
