@@ -7,11 +7,13 @@
     scripts/bench --workload one-user --peer llama-server   # one request at a time
     scripts/bench --engine-only --quantization none,int8     # no socket: ms per step
     scripts/bench --agentic --sessions 4 --turns 4           # multi-turn sessions, disk KV tier
+    scripts/bench --real-sizes --model F.gguf --peer llama-server  # beside llama-server, as is
 
 `--engine-only` (first argument or anywhere) hands the remaining arguments to the
 engine-only benchmark (`service.bench.engine_only`, its own `--help`); `--agentic` the
 same way to the multi-turn agentic workload with and without the disk KV tier
-(`service.bench.agentic`).
+(`service.bench.agentic`); `--real-sizes` to the side-by-side table of GGUF files on
+Conveyor and llama-server (`service.bench.real_sizes`).
 
 Without --url it starts `conveyor serve` itself (a subprocess on a free port) with the
 engine options given here, once per --compare value. Peers run in-process afterwards on
@@ -71,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from service.bench.agentic import main as agentic_main
 
         return agentic_main([x for x in argv if x != "--agentic"])
+    if "--real-sizes" in argv:
+        from service.bench.real_sizes import main as real_sizes_main
+
+        return real_sizes_main([x for x in argv if x != "--real-sizes"])
     a = build_parser().parse_args(argv)
     try:
         return _bench(a, argv)

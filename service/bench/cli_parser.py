@@ -24,6 +24,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="run the multi-turn agentic workload instead (in process, with and "
                         "without the disk KV tier, and after a restart); see "
                         "`scripts/bench --agentic --help`")
+    t.add_argument("--real-sizes", action="store_true",
+                   help="Conveyor beside llama-server on the same GGUF files as they are "
+                        "(load time, ITL, tok/s, long-prompt TTFT, VmHWM); see "
+                        "`scripts/bench --real-sizes --help`")
     t.add_argument("--url", help="benchmark a running server (ws://HOST:PORT/v1/stream) instead "
                                  "of starting one with the engine options below")
     t.add_argument("--compare", metavar="NAME=V1,V2,...",

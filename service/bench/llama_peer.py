@@ -105,7 +105,7 @@ def run_llama_peer(plan: LoadPlan, opts: LlamaPeerOptions, *, max_num_seqs: int,
               "model": str(model), "source_model": str(source),
               "source_weight_type": gguf_file_type(source), "weight_type": weight_type,
               "n_parallel": slots, "slot_ctx": ctx, "threads": opts.threads, "notes": NOTES,
-              "llama_cpp_python_version": _built_version(binary), "build": _build_info(binary)}
+              "llama_cpp_python_version": _built_version(binary), "build": build_info(binary)}
     try:
         server.start()
     except RuntimeError as e:  # exited or never healthy; the message carries the log's tail
@@ -164,7 +164,7 @@ def _built_version(binary: Path) -> str | None:
     return stamp.read_text().strip() if stamp.is_file() else None
 
 
-def _build_info(binary: Path) -> dict | None:
+def build_info(binary: Path) -> dict | None:
     """What scripts/build_llama_server kept (BUILD.json beside the binary), if it wrote it."""
     info = binary.parent / "BUILD.json"
     try:
