@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Eleven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Thirteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -29,6 +29,10 @@ Eleven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   an int8 sc and m, per super-block of ``super_group`` (256, or 32 when a legacy type is in
   the mix) fp16 d and dmin: the same ``W = (d sc) q - (dmin m)`` (9.125 bits a weight at
   256). ``kernels.gguf_pack`` packs both from a file's bytes.
+- ``q4_kx16``, ``i8_kx16``: q4_k's and i8_k's weights times x quantized to int16 per row
+  and group of 32 (``ACT16_K_GROUP``; i8_k's two groups of 16 in one share its scale), as
+  ``q4_1x16``: each weight group's exact integer sum, then its float steps with the group's
+  ``d * sc`` and ``-(dmin * m)`` (``kernels/csrc/quant_linear_cpu.cpp``).
 
 q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
 ``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
@@ -59,7 +63,13 @@ Q8 activation blocks), over the weights of the format named: the same packed ten
 ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
 """The same with int16 activations (``with_int16_activations``; ``quantize_activations``
 with ``levels=32767``)."""
-ACT_LEVELS = {**{f: 127 for f in ACT8_FORMATS}, **{f: 32767 for f in ACT16_FORMATS}}
+K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k"}
+"""int16 activations over the K-quant weights (``with_int16_activations``), per row and group
+of ACT16_K_GROUP input channels whatever the weight's group."""
+ACT16_K_GROUP = 32
+"""The activation group of ``K_ACT16_FORMATS``: q4_k's weight group, two of i8_k's."""
+ACT_LEVELS = {**{f: 127 for f in ACT8_FORMATS},
+              **{f: 32767 for f in {**ACT16_FORMATS, **K_ACT16_FORMATS}}}
 """The largest |q| of each activation-quantizing format's x."""
 ACT16_MAX_GROUP = 256
 """int16 activations keep a group's integer sum in int32: at most 256 products of 127 * 32767."""
@@ -321,7 +331,7 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     int8: q * scale (one rounding); int4, q4_1: d * q + min, rounded once (as the kernel's
     fma); q8_0: d * q (exact).
     """
-    base = {**ACT8_FORMATS, **ACT16_FORMATS}.get(packed.fmt)
+    base = _ACT_BASE.get(packed.fmt)
     if base is not None:  # the same weights
         packed = dataclasses.replace(packed, fmt=base)
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
@@ -410,9 +420,11 @@ def with_int8_activations(packed: PackedWeight) -> PackedWeight:
 
 
 def with_int16_activations(packed: PackedWeight) -> PackedWeight:
-    """The q4_1 / q8_0 weight `packed` as ``q4_1x16`` / ``q8_0x16`` (int16 activations),
-    sharing its tensors. Raises ValueError for another format, K not a multiple of the group,
-    or a group above ACT16_MAX_GROUP."""
+    """The q4_1 / q8_0 / q4_k / i8_k weight `packed` as ``q4_1x16`` / ``q8_0x16`` /
+    ``q4_kx16`` / ``i8_kx16`` (int16 activations), sharing its tensors. Raises ValueError for
+    another format, K not a multiple of the group, or a group above ACT16_MAX_GROUP."""
+    if packed.fmt in K_FORMATS:  # K: a multiple of super_group, itself of ACT16_K_GROUP
+        return _with_activations(packed, K_ACT16_FORMATS, "int16")
     if packed.group > ACT16_MAX_GROUP:
         raise ValueError(f"int16 activations need a group of at most {ACT16_MAX_GROUP}, got "
                          f"{packed.group}")
@@ -422,11 +434,16 @@ def with_int16_activations(packed: PackedWeight) -> PackedWeight:
 def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
     fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        raise ValueError(f"{what} activations serve q4_1 and q8_0 weights, not {packed.fmt}")
+        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k and i8_k"
+        raise ValueError(f"{what} activations serve {serves} weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
         raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "
                          f"even group ({packed.group})")
     return dataclasses.replace(packed, fmt=fmt)
+
+
+_ACT_BASE = {**ACT8_FORMATS, **ACT16_FORMATS, **K_ACT16_FORMATS}
+"""Each activation-quantizing format's weight format (the same packed tensors)."""
 
 
 def quantize_activations(x: torch.Tensor, group: int,
@@ -462,12 +479,17 @@ def quant_linear_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 def _act_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    n, k, g = packed.out_features, packed.in_features, packed.group
+    n, k = packed.out_features, packed.in_features
+    g = ACT16_K_GROUP if packed.fmt in K_ACT16_FORMATS else packed.group
     q, d = quantize_activations(x, g, ACT_LEVELS[packed.fmt])
     xq = (q.double().reshape(-1, k // g, g) * d.double()[..., None]).reshape(-1, k)
-    base = dataclasses.replace(packed, fmt={**ACT8_FORMATS, **ACT16_FORMATS}[packed.fmt])
+    base = dataclasses.replace(packed, fmt=_ACT_BASE[packed.fmt])
     y = torch.zeros(x.shape[0], n, dtype=torch.float64)
-    if base.minv is not None:  # W = d q + min: the min term over x itself
+    if base.fmt in K_FORMATS:  # W = (d sc) q - dmin m: the min term over x itself
+        y += x.double() @ unpack(dataclasses.replace(base, data=torch.zeros_like(base.data))
+                                 ).double().t()             # q = 0: -(dmin m), exact
+        base = dataclasses.replace(base, minv=torch.zeros_like(base.minv))  # (d sc) q: exact
+    elif base.minv is not None:  # W = d q + min: the min term over x itself
         g_of_k = torch.arange(k) // g
         mins = base.minv.movedim(-1, 1).reshape(base.padded_out, -1)[:n, g_of_k].double()
         y += x.double() @ mins.t()

@@ -24,6 +24,8 @@
 //                exactly: d1 = fp32(d) * sc, min1 = -(fp32(dmin) * m) (at most 11 + 8
 //                significant bits: no rounding), then
 //                acc = fma(xsum[m, g], min1, fma(d1, s, acc))
+//   q4_1x16, q8_0x16, q4_kx16, i8_kx16: the same weights times x quantized to int16 per row
+//                and group of 32 (see "int16 activations" below)
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
 // or how the work is split: batch invariance for free, and the builds are bit-identical.
 //
@@ -160,6 +162,10 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10 };
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
+constexpr int kAct16KOffset = 2;  // fmt 11, 12: q4_k, i8_k weights with int16 activations
+// The activation group of int16 activations over the K-quants (q4_k's weight group; two of
+// i8_k's groups of 16).
+constexpr int64_t kAct16KGroup = 32;
 constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41 || f == kQ4K; }
 constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80 || f == kI8K; }
 constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K; }
@@ -739,10 +745,28 @@ void run_act8(const Problem& pb, int num_threads) {
 // bit-identical builds.
 // A work item is a panel of 16 channels for a block of rows; a tile is R <= 6 rows (12
 // int32 sums, 2 weight vectors and a broadcast in 16 ymm registers; totals in memory).
+// K-quant weights (fmt 11: q4_k, 12: i8_k), the same scheme: x is quantized per row and
+// group of 32 (kAct16KGroup) whatever the weight's group; each weight group g (q4_k: 32
+// input channels, i8_k: 16) gets its exact integer sum and its own float steps, with the
+// d1 = fp32(d) * sc and min1 = -(fp32(dmin) * m) of the fp32 paths (group_scales: exact)
+// and dx of the activation group that holds it:
+//   acc = fma(float(isum[g]), d1[n, g] * dx[m, g * group / 32], acc)
+//   acc = fma(xsum[m, g], min1[n, g], acc)                 xsum: over g's k, as the fp32 path
+// i8_k's two weight groups in one activation group are two steps each, in k order: their
+// sums are never added in integers (isum * sc would need 33 bits) nor in floats before the
+// steps, so every operation is one of q4_1x16's, and the sums are exact (|q qx| <= 128 *
+// 32767, 16 or 32 of them < 2^31). Nibbles are q4_1's (the same int4 layout), i8_k's
+// bytes q8_0's.
 
 struct Act16 {
   std::vector<int16_t> q;  // [M, K] qx
   std::vector<float> d;    // [M, groups] dx
+  int64_t group = 0, groups = 0;  // x's groups: the weight's (q4_1, q8_0) or 32 (K-quants)
+
+  // dx of the group of row m that holds weight group g (of pb.group input channels)
+  float dx(const Problem& pb, int64_t m, int64_t g) const {
+    return d[m * groups + g * pb.group / group];
+  }
 };
 
 // A group with a NaN or an infinity gets dx = NaN (and qx = 0), so that its outputs are NaN as
@@ -793,15 +817,19 @@ inline void quantize_group16(const float* x, int64_t n, float& d_out, int16_t* q
   }
 }
 
-inline void quantize_rows16(const Problem& pb, Act16& a, int num_threads) {
-  const int64_t M = pb.M, K = pb.K, G = pb.groups;
+// x's groups of `group` input channels (dividing K, and a multiple of the weight's group or
+// equal to it) quantized to int16.
+inline void quantize_rows16(const Problem& pb, int64_t group, Act16& a, int num_threads) {
+  const int64_t M = pb.M, K = pb.K, G = K / group;
+  a.group = group;
+  a.groups = G;
   a.q.resize(static_cast<size_t>(M * K));
   a.d.resize(static_cast<size_t>(M * G));
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= 32768)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g)
-      quantize_group16(pb.x + m * pb.x_stride + g * pb.group, pb.group, a.d[m * G + g],
-                       a.q.data() + m * K + g * pb.group);
+      quantize_group16(pb.x + m * pb.x_stride + g * group, group, a.d[m * G + g],
+                       a.q.data() + m * K + g * group);
 }
 
 // Weights (k, k + 1) of one panel's 16 channels as int16 pairs, for _mm256_madd_epi16:
@@ -809,7 +837,7 @@ inline void quantize_rows16(const Problem& pb, Act16& a, int num_threads) {
 template <int Fmt>
 inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo, __m256i& hi) {
   __m256i a, b;
-  if constexpr (Fmt == 3) {  // byte c of pair k / 2: q(c, k) low nibble, q(c, k + 1) high
+  if constexpr (is_4bit(Fmt)) {  // byte c of pair k / 2: q(c, k) low nibble, q(c, k + 1) high
     const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 2, k / 2);
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     a = _mm256_and_si256(v, _mm256_set1_epi16(15));
@@ -838,7 +866,7 @@ constexpr int64_t kGemvPrefetchBytes = 2048;
 // tile_vnni.
 template <int Fmt>
 inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
-  if constexpr (Fmt == kQ41) {
+  if constexpr (is_4bit(Fmt)) {
     __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
                        kGemvPrefetchBytes);
   } else {
@@ -887,19 +915,31 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       }
     }
     for (int c = 0; c < C; ++c) {
-      const int64_t off = at(p0 + c, pb.groups, g);
-      const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
-      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
-      __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
-      if constexpr (Fmt == 3) {
-        const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
-        n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-        n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+      __m256 d0, d1, n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
+      if constexpr (is_kquant(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
+        V16 d, mn;
+        group_scales<Fmt>(pb, p0 + c, g, d, mn);
+        alignas(64) float dm[2][16];
+        store(dm[0], d);
+        store(dm[1], mn);
+        d0 = _mm256_load_ps(dm[0]);
+        d1 = _mm256_load_ps(dm[0] + 8);
+        n0 = _mm256_load_ps(dm[1]);
+        n1 = _mm256_load_ps(dm[1] + 8);
+      } else {
+        const int64_t off = at(p0 + c, pb.groups, g);
+        const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+        d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
+        d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
+        if constexpr (has_min(Fmt)) {
+          const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+          n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+          n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const __m256 vdx = _mm256_set1_ps(a.d[m * pb.groups + g]);
+        const __m256 vdx = _mm256_set1_ps(a.dx(pb, m, g));
         __m256i i0 = s[r][c][0], i1 = s[r][c][1];  // a strip's sums: channels 0-7, 8-15
         if (strip == nullptr) {  // packed pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
           i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);
@@ -909,7 +949,7 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
                                     _mm256_load_ps(tot[r][c]));
         __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx),
                                     _mm256_load_ps(tot[r][c] + 8));
-        if constexpr (Fmt == 3) {
+        if constexpr (has_min(Fmt)) {
           const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
           t0 = _mm256_fmadd_ps(vxs, n0, t0);
           t1 = _mm256_fmadd_ps(vxs, n1, t1);
@@ -1068,7 +1108,7 @@ inline bool use_gemv_q41_vnni(const Problem& pb) {
 template <int Fmt>
 __attribute__((target("avx512vnni"))) inline __m512i pair_weights_vnni(const Problem& pb,
                                                                        int64_t p, int64_t k) {
-  if constexpr (Fmt == kQ41) {  // byte c: q(c, k) low nibble, q(c, k + 1) high
+  if constexpr (is_4bit(Fmt)) {  // byte c: q(c, k) low nibble, q(c, k + 1) high
     const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 2, k / 2);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     // bits 0-3: q(c, k), bits 16-19: q(c, k + 1)
@@ -1109,17 +1149,15 @@ __attribute__((target("avx512vnni"))) void tile_vnni(const Problem& pb, const Ac
       }
     }
     for (int c = 0; c < C; ++c) {  // tile16's float steps, lane for lane
-      const int64_t off = at(p0 + c, pb.groups, g);
-      const __m512 d = load_scale<Fmt>(pb.scale, off).v;
-      __m512 mn = _mm512_setzero_ps();
-      if constexpr (Fmt == kQ41) mn = load_scale<Fmt>(pb.minv, off).v;
+      V16 d, mn = zero();
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);  // q4_k, i8_k: d1 and min1, exact
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const __m512 vdx = _mm512_set1_ps(a.d[m * pb.groups + g]);
-        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), _mm512_mul_ps(d, vdx),
+        const __m512 vdx = _mm512_set1_ps(a.dx(pb, m, g));
+        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), _mm512_mul_ps(d.v, vdx),
                                    _mm512_load_ps(tot[r][c]));
-        if constexpr (Fmt == kQ41)
-          t = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[m * pb.groups + g]), mn, t);
+        if constexpr (has_min(Fmt))
+          t = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[m * pb.groups + g]), mn.v, t);
         _mm512_store_ps(tot[r][c], t);
       }
     }
@@ -1261,7 +1299,7 @@ constexpr int64_t kAct16HalfBlockRows = 4;
 template <int Fmt>
 void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
-  quantize_rows16(pb, a, num_threads);
+  quantize_rows16(pb, is_kquant(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (Fmt == kQ41 && use_gemv_q41_vnni(pb)) {
     std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
@@ -1331,15 +1369,19 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
 // 5 q4_1 and 6 q8_0 weights with int8 activations, 7 q4_1 and 8 q8_0 with int16 ones (above:
 // the same packed weights; K a multiple of the group, at most 256 for int16, else code 1);
 // 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
-// per super_group input channels). Other formats ignore sup_scale, sup_min, super_group.
+// per super_group input channels); 11 q4_k and 12 i8_k weights with int16 activations (per
+// group of 32). Other formats ignore sup_scale, sup_min, super_group.
 int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                         int64_t N, int64_t Np, const void* w, const float* scale,
                         const float* minv, int64_t group, const void* sup_scale,
                         const void* sup_min, int64_t super_group, const float* bias, float* y,
                         int64_t y_stride, int num_threads) {
   const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
-  const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset;
-  if (act8 || act16) {
+  const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset;
+  const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset || act16_k;
+  if (act16_k) {
+    fmt -= kAct16KOffset;  // K a multiple of super_group, itself of kAct16KGroup: below
+  } else if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;
   }
@@ -1363,10 +1405,12 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
                    y, y_stride, static_cast<const uint16_t*>(sup_scale),
                    static_cast<const uint16_t*>(sup_min), super_group, supers};
   if (act16) {
-    if (fmt == kQ41)
-      run_act16<kQ41>(pb, num_threads);
-    else
-      run_act16<kQ80>(pb, num_threads);
+    switch (fmt) {
+      case kQ41: run_act16<kQ41>(pb, num_threads); break;
+      case kQ4K: run_act16<kQ4K>(pb, num_threads); break;
+      case kI8K: run_act16<kI8K>(pb, num_threads); break;
+      default: run_act16<kQ80>(pb, num_threads); break;
+    }
     return 0;
   }
   if (act8) {
@@ -1388,7 +1432,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
   return 0;
 }
 
-// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 and 10 give 1).
+// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 to 12 give 1).
 int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      int64_t Np, const void* w, const float* scale, const float* minv,
                      int64_t group, const float* bias, float* y, int64_t y_stride,
@@ -1407,6 +1451,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
                          int num_threads) {
   if (fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset) fmt -= kAct8Offset;  // same weights
   if (fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset) fmt -= kAct16Offset;
+  if (fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset) fmt -= kAct16KOffset;
   if (!is_format(fmt) || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
       !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))

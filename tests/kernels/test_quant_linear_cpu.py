@@ -432,3 +432,69 @@ def test_k_formats_refuse_bad_super_blocks(isa) -> None:
                 dataclasses.replace(packed, group=16)):
         with pytest.raises(ValueError, match="rejected"):
             qlc.quant_linear(x, bad, isa)
+
+
+# ---- K-quant weights times int16 activations (q4_kx16, i8_kx16) --------------------------
+
+K_ACT16_ROWS = ROWS + [2, 3, 4, 5, 6, 8, 9, 12, 13, 47, 48, 49, 97]
+"""Every tile, item and strip edge of the x16 kernels (see ACT_CASES)."""
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", K_MIXES)
+def test_k_act16_formats_match_their_reference_and_stay_near_fp32(isa, types) -> None:
+    """q4_k / i8_k weights times x rounded to int16 per row and group of 32 (i8_k's groups of
+    16 each with its own float steps, the scale of the 32 that holds them): as the float64
+    reference over the same integers, within 1e-4 of the fp32-activation product, the same
+    bits for a row in every call, on every build, and at any thread count."""
+    base = _k_packed(types, 130, 512, bias=len(types) > 1)
+    packed = with_int16_activations(base)
+    assert packed.fmt == base.fmt + "x16" and packed.data is base.data
+    x = torch.randn(max(ROWS), 512, generator=torch.Generator().manual_seed(5))
+    x[3, 7] = 60.0  # an outlier channel in one group of one row
+    y = qlc.quant_linear(x, packed, isa)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = quant_linear_ref(x, base)
+    assert float((y - exact).norm() / exact.norm()) < 1e-4
+    for rows in K_ACT16_ROWS:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+        for other in qlc.available_isas():  # VNNI tiles against AVX2's vpmaddwd ones
+            assert torch.equal(qlc.quant_linear(x[:rows], packed, other), y[:rows])
+    perm = torch.randperm(max(ROWS), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qlc.quant_linear(x[perm], packed, isa), y[perm])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qlc.quant_linear(x[:64], packed, isa), y[:64])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(base))  # the K-quant's weights
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q6_K",)])
+def test_k_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, types) -> None:
+    packed = with_int16_activations(_k_packed(types, 64, 256))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(6))
+    clean = qlc.quant_linear(x, packed, isa)
+    x[2, 5], x[5, 40] = float("nan"), float("inf")
+    y = qlc.quant_linear(x, packed, isa)
+    assert bool(y[2].isnan().all()) and not bool(y[5].isfinite().any())
+    keep = [0, 1, 3, 4, 6, 7]
+    assert torch.equal(y[keep], clean[keep])
+    assert torch.equal(qlc.quant_linear(x[3:4], packed, isa), y[3:4])  # one-row calls alike
+    assert bool(qlc.quant_linear(x[2:3], packed, isa).isnan().all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_k_act16_refuses_bad_super_blocks(isa) -> None:
+    packed = with_int16_activations(_k_packed(("Q4_K",), 16, 256))
+    x = torch.randn(2, 256)
+    for bad in (dataclasses.replace(packed, super_group=32),
+                dataclasses.replace(packed, super_min=None),
+                dataclasses.replace(packed, group=16)):
+        with pytest.raises(ValueError, match="rejected"):
+            qlc.quant_linear(x, bad, isa)
+    with pytest.raises(ValueError, match="q4_k and i8_k"):
+        with_int16_activations(pack_int8(*_data(64, 64, 1)[:2]))
