@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Thirteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -29,6 +29,11 @@ Thirteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   an int8 sc and m, per super-block of ``super_group`` (256, or 32 when a legacy type is in
   the mix) fp16 d and dmin: the same ``W = (d sc) q - (dmin m)`` (9.125 bits a weight at
   256). ``kernels.gguf_pack`` packs both from a file's bytes.
+- ``q6_k``: GGUF's Q6_K blocks (ggml's ``block_q6_K``): per super-block of 256 an fp16 d,
+  per group of 16 an int8 sc, 6-bit q: ``W = (d sc) (q - 32)`` (exact in fp32: 11 + 7 + 5
+  significant bits at most). Stored as the file's bits regrouped (nibble lines and a
+  high-bit line per 4 input channels, ``pack_q6_k_blocks``): 6.5625 bits a weight, as the
+  file; layers that are all Q6_K (mixes stay i8_k);
 - ``q4_kx16``, ``i8_kx16``: q4_k's and i8_k's weights times x quantized to int16 per row
   and group of 32 (``ACT16_K_GROUP``; i8_k's two groups of 16 in one share its scale), as
   ``q4_1x16``: each weight group's exact integer sum, then its float steps with the group's
@@ -94,6 +99,10 @@ class PackedWeight:
     in [0, 63], i8_k int8); super_scale, super_min: d and dmin [Np/64, K/super_group, 64]
     float16; super_group: input channels per d (q4_k 256; i8_k 256 or 32). The weight is
     ``(d * sc) * q - dmin * m`` in fp32 (``unpack``).
+    q6_k: data [Np/64, 3K/4, 64] uint8 (per 4 input channels two nibble lines and a
+    high-bit line, ``pack_q6_k_blocks``); scale sc [Np/64, K/16, 64] int8; super_scale d
+    [Np/64, K/256, 64] float16; minv, super_min None; group 16, super_group 256. The weight
+    is ``(d * sc) * (q - 32)``, exact in fp32.
     """
 
     fmt: str
@@ -338,6 +347,8 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
     if packed.fmt in K_FORMATS:
         return _unpack_k(packed, rows)
+    if packed.fmt == "q6_k":
+        return _unpack_q6_k(packed, rows)
     if packed.fmt == "f32":
         return rows.clone()
     if packed.fmt == "int8":
@@ -373,6 +384,62 @@ def _unpack_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     d1 = per_k(packed.super_scale, s_of_k) * per_k(packed.scale, g_of_k)
     dm = per_k(packed.super_min, s_of_k) * per_k(packed.minv, g_of_k)
     return d1 * q.float() - dm
+
+
+def _q6_lines(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 in [0, 63] (K a multiple of 4) -> [N, 3 K / 4]: per quad j of k, the
+    nibbles of k = 4j, 4j + 1 (low, high), of 4j + 2, 4j + 3, then the four high 2-bit
+    fields (bits 2i, 2i + 1: k = 4j + i)."""
+    n, k = q.shape
+    quad = q.view(n, k // 4, 4)
+    low, high = quad & 15, quad >> 4
+    lines = torch.stack([low[..., 0] | (low[..., 1] << 4), low[..., 2] | (low[..., 3] << 4),
+                         high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4)
+                         | (high[..., 3] << 6)], dim=-1)
+    return lines.reshape(n, -1)
+
+
+def _unpack_q6_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """q6_k: ``(d * sc) * (q - 32)`` in fp32, exact (gguf-py's value)."""
+    n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
+    assert packed.scale is not None and packed.super_scale is not None
+    lines = rows.reshape(n, k // 4, 3)
+    high = lines[..., 2]
+    q = torch.stack([(lines[..., 0] & 15) | ((high & 3) << 4),
+                     (lines[..., 0] >> 4) | (((high >> 2) & 3) << 4),
+                     (lines[..., 1] & 15) | (((high >> 4) & 3) << 4),
+                     (lines[..., 1] >> 4) | ((high >> 6) << 4)], dim=-1).reshape(n, k)
+
+    def per_k(t: torch.Tensor, size: int) -> torch.Tensor:
+        return t.movedim(-1, 1).reshape(np_, -1)[:n, torch.arange(k) // size].float()
+
+    d1 = per_k(packed.super_scale, packed.super_group) * per_k(packed.scale, packed.group)
+    return d1 * (q.float() - 32)
+
+
+def pack_q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> PackedWeight:
+    """Pack Q6_K blocks as they are: ``W[n, k] = (d[n, k // 256] * sc[n, k // 16]) *
+    (q[n, k] - 32)``. q: [N, K] uint8 in [0, 63], K a multiple of 256; sc: [N, K / 16] int8;
+    d: [N, K / 256] float16, finite. Raises ValueError for other shapes, dtypes or values."""
+    if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[0] < 1 or q.shape[1] < 1 or \
+            q.shape[1] % 256:
+        raise ValueError(f"q6_k: q must be uint8 [N, K] with K a multiple of 256, got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    for name, t, shape, dt in (("sc", sc, (n, k // 16), torch.int8),
+                               ("d", d, (n, k // 256), torch.float16)):
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"q6_k: {name} must be {dt} {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not bool(torch.isfinite(d).all()):
+        raise ValueError("q6_k: d must be finite")
+    if int(q.max()) > 63:
+        raise ValueError("q6_k: q must be in [0, 63]")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be float [out] = [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    np_ = _np(n)
+    return PackedWeight("q6_k", n, k, _panels(_q6_lines(q), np_), _panels(sc, np_), None,
+                        _padded_bias(bias, np_), 16, _panels(d, np_), None, 256)
 
 
 def pack_k_blocks(fmt: str, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,

@@ -24,6 +24,9 @@
 //                exactly: d1 = fp32(d) * sc, min1 = -(fp32(dmin) * m) (at most 11 + 8
 //                significant bits: no rounding), then
 //                acc = fma(xsum[m, g], min1, fma(d1, s, acc))
+//   q6_k (GGUF's Q6_K, w = (d[n, S] sc[n, g]) (q - 32), q in [0, 63], groups of 16): as q8_0
+//                with d1 = fp32(d) * sc (exact) for d: acc = fma(d1, s, acc) (i8_k's bits over
+//                the same blocks: their mins are 0)
 //   q4_1x16, q8_0x16, q4_kx16, i8_kx16: the same weights times x quantized to int16 per row
 //                and group of 32 (see "int16 activations" below)
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
@@ -46,9 +49,15 @@
 //   i8_k:  w as int8 (group 16);  sc, m [Np / 64, K / 16, 64] int8;  d, dmin
 //          [Np / 64, K / S, 64] fp16, S = super_group, 256 or 32 (9.125 bits a weight at
 //          256: any mix of GGUF's K-quant and legacy blocks, kernels/gguf_pack.py)
+//   q6_k:  w [Np / 64, 3 K / 4, 64] uint8, three lines per quad j of k (4j .. 4j + 3): line
+//          3j: byte c = q(c, 4j) & 15 | (q(c, 4j + 1) & 15) << 4, line 3j + 1: the same for
+//          4j + 2, 4j + 3, line 3j + 2: byte c = sum over i of (q(c, 4j + i) >> 4) << 2i;
+//          sc [Np / 64, K / 16, 64] int8; d [Np / 64, K / 256, 64] fp16 (6.5625 bits a
+//          weight: GGUF's Q6_K block, its own bits regrouped; a one-row call streams each
+//          block's lines in order)
 // The C ABI passes scale / minv as float pointers; for q4_1 / q8_0 they point at fp16 data,
 // for q4_k / i8_k at the bytes sc and m (d and dmin: conveyor_qlinear_ex's sup_scale,
-// sup_min).
+// sup_min); for q6_k scale at sc and sup_scale at d (minv, sup_min unused).
 // so a one-row call reads each block as one sequential stream. A panel is 16 channels (a
 // quarter of a block: one vector). A tile is R rows x C panels: for each k, C weight vectors
 // are loaded (and converted) once and multiplied into R x C accumulators by broadcasting
@@ -73,12 +82,14 @@ constexpr const char* kIsa = "avx512";
 // Tile shapes (rows x panels) for many rows and for one, per format {fp32, int8, int4, q4_1,
 // q8_0}: accumulators R x C vectors (grouped formats: twice: group sums and totals) in 32
 // vector registers.
-// q8_0}, then (codes 5-8: the activation-quantizing formats, not run by run<>) {q4_k, i8_k}.
-constexpr int kGemmRows[11] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6},
-              kGemmPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4},
-              kGemvPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4};
+// q8_0}, then (codes 5-8, 11, 12: the activation-quantizing formats, not run by run<>) {q4_k,
+// i8_k}, then q6_k (code 13: unpacked in each tile: 6 x 2 tiles, 24 of the 32 registers).
+constexpr int kGemmRows[14] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6, 0, 0, 6},
+              kGemmPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 2},
+              kGemvPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 4};
 // Whether many-row calls unpack int8 / int4 weights once per panel group (unpack_strip).
-constexpr bool kStrip[11] = {false, true, true, true, true, false, false, false, false, true, true};
+constexpr bool kStrip[14] = {false, true, true, true, true, false, false, false, false, true, true,
+                             false, false, false};
 struct V16 {
   __m512 v;
 };
@@ -103,6 +114,7 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
+inline V16 i8_to_f(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 // As above within 16 registers (a V16 is two of them). The grouped formats keep their group
@@ -110,14 +122,14 @@ constexpr const char* kIsa = "avx2";
 // sums + 4 unpacked weight vectors + 1 broadcast; q8_0, R = 6: 12 + 2 + 1. Measured on a
 // Zen 3 (AVX2, 2 threads) against R = 2: 1.3-1.6x at 16 rows ([3072 x 576] q4_1: 1.10 ->
 // 0.69 ms; the [49152 x 576] q8_0 LM head 14.2 -> 10.4 ms), the same at 1-2 rows.
-// q4_k as q4_1, i8_k as q8_0 (codes 5-8 unused, as above).
-constexpr int kGemmRows[11] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6},
-              kGemmPanels[11] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1},
-              kGemvPanels[11] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2};
+// q4_k as q4_1, i8_k and q6_k as q8_0 (codes 5-8, 11, 12 unused, as above).
+constexpr int kGemmRows[14] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6, 0, 0, 6},
+              kGemmPanels[14] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1},
+              kGemvPanels[14] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2, 0, 0, 2};
 // int4 from a strip measured 1.5-2.5x slower here than unpacking in each tile (GCC 12 keeps
 // the group sums in memory when a V16 is two ymm registers); q8_0's group sums alike.
-constexpr bool kStrip[11] = {false, true, false, false, false, false, false, false, false, false,
-                             false};
+constexpr bool kStrip[14] = {false, true, false, false, false, false, false, false, false, false,
+                             false, false, false, false};
 struct V16 {
   __m256 lo, hi;
 };
@@ -155,11 +167,15 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b, mask))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
 }
+inline V16 i8_to_f(__m128i q) {  // 16 int8 -> fp32 (exact)
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
 #else
 #error "quant_linear_cpu.cpp needs AVX-512 (F, BW) or AVX2 + FMA + F16C"
 #endif
 
-enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10 };
+enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10, kQ6K = 13 };
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
 constexpr int kAct16KOffset = 2;  // fmt 11, 12: q4_k, i8_k weights with int16 activations
@@ -169,10 +185,11 @@ constexpr int64_t kAct16KGroup = 32;
 constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41 || f == kQ4K; }
 constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80 || f == kI8K; }
 constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K; }
-constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || is_kquant(f); }
+constexpr bool has_supers(int f) { return is_kquant(f) || f == kQ6K; }  // sup_scale: d
+constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || has_supers(f); }
 constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
 constexpr bool has_half_scales(int f) { return f == kQ41 || f == kQ80; }
-constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || is_kquant(f); }
+constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || has_supers(f); }
 
 // From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
 // floats (unpack_strip) instead of once per tile.
@@ -212,7 +229,10 @@ inline V16 load_scale(const void* p, int64_t off) {
 template <int Fmt>
 inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& mn) {
   const int64_t off = at(p, pb.groups, g);
-  if constexpr (is_kquant(Fmt)) {
+  if constexpr (Fmt == kQ6K) {  // d = d_S * sc (no min)
+    const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
+    d = mul(load_h(pb.sup_scale + soff), load_i8(static_cast<const int8_t*>(pb.scale) + off));
+  } else if constexpr (is_kquant(Fmt)) {
     const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
     V16 sc, m;
     if constexpr (Fmt == kQ4K) {
@@ -340,6 +360,69 @@ inline void tile_q8(const Problem& pb, const float* x, const float* xsum, int64_
   }
 }
 
+// q6_k, per group g of 16: s = sum over the group's k (in order) of fma(x[k], q[k] - 32, s),
+// then acc = fma(d[g], s, acc) with d = d_S * sc (exact): tile_q8's operations (and so i8_k's
+// bits over the same Q6_K blocks, whose mins are 0). The packed lines of a block come in
+// threes per quad of k (kQ6Lines): nibbles of pairs 2j and 2j + 1, then the quad's high bits.
+constexpr int64_t kQ6Lines = 3;
+
+// q - 32 of 16 channels at k = 4j .. 4j + 3 (q[i]: k = 4j + i, int8) from the quad's lines
+// (l: the block's line 3j, at the panel's 16 bytes): byte arithmetic on 128-bit registers,
+// the same in both builds (cheaper than widening first).
+inline void q6_quad(const uint8_t* l, int64_t line_bytes, __m128i (&q)[4]) {
+  const __m128i n0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l));
+  const __m128i n1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + line_bytes));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * line_bytes));
+  const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
+  const auto six = [&](__m128i low, __m128i high) {  // (low & 15 | high & 0x30) - 32
+    return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(low, m0f), _mm_and_si128(high, m30)), b32);
+  };
+  q[0] = six(n0, _mm_slli_epi16(h, 4));
+  q[1] = six(_mm_srli_epi16(n0, 4), _mm_slli_epi16(h, 2));
+  q[2] = six(n1, h);
+  q[3] = six(_mm_srli_epi16(n1, 4), _mm_srli_epi16(h, 2));
+}
+
+template <int R, int C>
+inline void tile_q6(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R][C]) {
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w);
+  const int64_t lines = pb.K / 4 * kQ6Lines;
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    V16 s[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = zero();
+    const int64_t k1 = (g + 1) * pb.group;
+    for (int64_t k = g * pb.group; k < k1; k += 4) {
+      const int64_t j = k / 4 * kQ6Lines;
+      if constexpr (R == 1) {  // a one-row call streams: see kGemvPrefetchI4Bytes
+        const uint8_t* ahead = w + at(p0, lines, j) + kGemvPrefetchI4Bytes;
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + 64);
+        __builtin_prefetch(ahead + 128);
+      }
+      __m128i q[C][4];
+      for (int c = 0; c < C; ++c) q6_quad(w + at(p0 + c, lines, j), 64, q[c]);
+      for (int i = 0; i < 4; i += 2) {
+        V16 lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          lo[c] = i8_to_f(q[c][i]);
+          hi[c] = i8_to_f(q[c][i + 1]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const V16 xa = bcast(x[r * pb.x_stride + k + i]);
+          const V16 xb = bcast(x[r * pb.x_stride + k + i + 1]);
+          for (int c = 0; c < C; ++c) s[r][c] = fma(xb, hi[c], fma(xa, lo[c], s[r][c]));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      V16 d, mn;
+      group_scales<kQ6K>(pb, p0 + c, g, d, mn);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma(d, s[r][c], acc[r][c]);
+    }
+  }
+}
+
 // For many rows: the weights of panels p0 .. p0+C-1 converted once to floats, [C][K][16]
 // (the int8 or int4 values q themselves, exact: no scale applied), so that every row block
 // reads them without unpacking again. The tiles below do the same fp32 operations on them
@@ -431,6 +514,8 @@ void tile(const Problem& pb, int64_t m0, int64_t p0, const float* strip = nullpt
   const float* xsum = has_min(Fmt) ? pb.xsum + m0 * pb.groups : nullptr;
   if (Fmt == kF32)
     tile_f32<R, C>(pb, x, p0, acc);
+  else if (Fmt == kQ6K)
+    tile_q6<R, C>(pb, x, p0, acc);
   else if (strip != nullptr)
     tile_strip<Fmt, R, C>(pb, x, xsum, p0, strip, acc);
   else if (Fmt == kI8)
@@ -1355,6 +1440,8 @@ const char* conveyor_qlinear_isa() { return kIsa; }
 // 32 for i8_k) dividing K, d and dmin given. True for every other format (which ignores them).
 inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_scale,
                            const void* sup_min, int64_t super_group) {
+  if (fmt == kQ6K)  // no min: sup_min ignored
+    return group == 16 && super_group == 256 && K % 256 == 0 && sup_scale != nullptr;
   if (!is_kquant(fmt)) return true;
   const bool sizes = fmt == kQ4K ? group == 32 && super_group == 256
                                  : group == 16 && (super_group == 256 || super_group == 32);
@@ -1370,7 +1457,8 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
 // the same packed weights; K a multiple of the group, at most 256 for int16, else code 1);
 // 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
 // per super_group input channels); 11 q4_k and 12 i8_k weights with int16 activations (per
-// group of 32). Other formats ignore sup_scale, sup_min, super_group.
+// group of 32); 13 q6_k (scale: sc, sup_scale: d, super_group 256, group 16). Other formats
+// ignore sup_scale, sup_min, super_group.
 int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                         int64_t N, int64_t Np, const void* w, const float* scale,
                         const float* minv, int64_t group, const void* sup_scale,
@@ -1400,7 +1488,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
       for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) s += x[m * x_stride + k];
       xsum[m * groups + g] = s;
     }
-  const int64_t supers = is_kquant(fmt) ? K / super_group : 0;
+  const int64_t supers = has_supers(fmt) ? K / super_group : 0;
   const Problem pb{x, x_stride, M, K, N, Np, w, scale, minv, group, groups, xsum.data(), bias,
                    y, y_stride, static_cast<const uint16_t*>(sup_scale),
                    static_cast<const uint16_t*>(sup_min), super_group, supers};
@@ -1427,12 +1515,13 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
     case kQ41: run<kQ41>(pb, num_threads); break;
     case kQ4K: run<kQ4K>(pb, num_threads); break;
     case kI8K: run<kI8K>(pb, num_threads); break;
+    case kQ6K: run<kQ6K>(pb, num_threads); break;
     default: run<kQ80>(pb, num_threads); break;
   }
   return 0;
 }
 
-// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 to 12 give 1).
+// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 to 13 give 1).
 int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      int64_t Np, const void* w, const float* scale, const float* minv,
                      int64_t group, const float* bias, float* y, int64_t y_stride,
@@ -1465,13 +1554,14 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
   pb.sup_scale = static_cast<const uint16_t*>(sup_scale);
   pb.sup_min = static_cast<const uint16_t*>(sup_min);
   pb.super_group = super_group;
-  pb.supers = is_kquant(fmt) ? K / super_group : 0;
+  pb.supers = has_supers(fmt) ? K / super_group : 0;
   const int64_t pairs = (K + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     const int valid = static_cast<int>(std::min<int64_t>(16, N - p * 16));
     alignas(64) float lo_t[16], hi_t[16];
-    for (int64_t k = 0; k < K; k += (is_4bit(fmt) ? 2 : 1)) {
+    const bool two = is_4bit(fmt) || fmt == kQ6K;  // values come in k pairs
+    for (int64_t k = 0; k < K; k += (two ? 2 : 1)) {
       V16 lo, hi = zero();
       if (fmt == kF32) {
         lo = load(static_cast<const float*>(w) + at(p, K, k));
@@ -1484,6 +1574,16 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
         V16 d, m;
         group_scales<kI8K>(pb, p, k / group, d, m);
         lo = fma(load_i8(static_cast<const int8_t*>(w) + at(p, K, k)), d, m);
+      } else if (fmt == kQ6K) {
+        V16 d, m;
+        group_scales<kQ6K>(pb, p, k / group, d, m);
+        const uint8_t* wq = static_cast<const uint8_t*>(w);
+        __m128i q[4];
+        q6_quad(wq + at(p, K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64, q);
+        lo = i8_to_f(q[k % 4]);
+        hi = i8_to_f(q[k % 4 + 1]);
+        lo = mul(lo, d);  // (d sc) (q - 32): exact
+        hi = mul(hi, d);
       } else if (fmt == kQ4K) {
         V16 d, m;
         group_scales<kQ4K>(pb, p, k / group, d, m);
@@ -1505,7 +1605,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
       for (int c = 0; c < valid; ++c) {
         float* row = out + (p * 16 + c) * K;
         row[k] = lo_t[c];
-        if (is_4bit(fmt) && k + 1 < K) row[k + 1] = hi_t[c];
+        if (two && k + 1 < K) row[k + 1] = hi_t[c];
       }
     }
   }
