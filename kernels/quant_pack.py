@@ -34,8 +34,9 @@ Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   significant bits at most). Stored as the file's bits regrouped (nibble lines and a
   high-bit line per 4 input channels, ``pack_q6_k_blocks``): 6.5625 bits a weight, as the
   file; layers that are all Q6_K (mixes stay i8_k);
-- ``q4_kx16``, ``i8_kx16``: q4_k's and i8_k's weights times x quantized to int16 per row
-  and group of 32 (``ACT16_K_GROUP``; i8_k's two groups of 16 in one share its scale), as
+- ``q4_kx16``, ``i8_kx16``, ``q6_kx16``: q4_k's, i8_k's and q6_k's weights times x quantized
+  to int16 per row and group of 32 (``ACT16_K_GROUP``; two groups of 16 in one share its
+  scale), as
   ``q4_1x16``: each weight group's exact integer sum, then its float steps with the group's
   ``d * sc`` and ``-(dmin * m)`` (``kernels/csrc/quant_linear_cpu.cpp``).
 
@@ -68,7 +69,7 @@ Q8 activation blocks), over the weights of the format named: the same packed ten
 ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
 """The same with int16 activations (``with_int16_activations``; ``quantize_activations``
 with ``levels=32767``)."""
-K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k"}
+K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k", "q6_kx16": "q6_k"}
 """int16 activations over the K-quant weights (``with_int16_activations``), per row and group
 of ACT16_K_GROUP input channels whatever the weight's group."""
 ACT16_K_GROUP = 32
@@ -487,10 +488,11 @@ def with_int8_activations(packed: PackedWeight) -> PackedWeight:
 
 
 def with_int16_activations(packed: PackedWeight) -> PackedWeight:
-    """The q4_1 / q8_0 / q4_k / i8_k weight `packed` as ``q4_1x16`` / ``q8_0x16`` /
-    ``q4_kx16`` / ``i8_kx16`` (int16 activations), sharing its tensors. Raises ValueError for
-    another format, K not a multiple of the group, or a group above ACT16_MAX_GROUP."""
-    if packed.fmt in K_FORMATS:  # K: a multiple of super_group, itself of ACT16_K_GROUP
+    """The q4_1 / q8_0 / q4_k / i8_k / q6_k weight `packed` as ``q4_1x16`` / ``q8_0x16`` /
+    ``q4_kx16`` / ``i8_kx16`` / ``q6_kx16`` (int16 activations), sharing its tensors. Raises
+    ValueError for another format, K not a multiple of the group, or a group above
+    ACT16_MAX_GROUP."""
+    if packed.fmt in K_ACT16_FORMATS.values():  # K: a multiple of super_group, so of 32
         return _with_activations(packed, K_ACT16_FORMATS, "int16")
     if packed.group > ACT16_MAX_GROUP:
         raise ValueError(f"int16 activations need a group of at most {ACT16_MAX_GROUP}, got "
@@ -501,7 +503,7 @@ def with_int16_activations(packed: PackedWeight) -> PackedWeight:
 def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
     fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k and i8_k"
+        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k, i8_k and q6_k"
         raise ValueError(f"{what} activations serve {serves} weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
         raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "

@@ -179,6 +179,7 @@ enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 1
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
 constexpr int kAct16KOffset = 2;  // fmt 11, 12: q4_k, i8_k weights with int16 activations
+constexpr int kQ6KAct16 = 14;     // fmt 14: q6_k weights with int16 activations
 // The activation group of int16 activations over the K-quants (q4_k's weight group; two of
 // i8_k's groups of 16).
 constexpr int64_t kAct16KGroup = 32;
@@ -232,6 +233,7 @@ inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& m
   if constexpr (Fmt == kQ6K) {  // d = d_S * sc (no min)
     const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
     d = mul(load_h(pb.sup_scale + soff), load_i8(static_cast<const int8_t*>(pb.scale) + off));
+    mn = zero();
   } else if constexpr (is_kquant(Fmt)) {
     const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
     V16 sc, m;
@@ -381,6 +383,18 @@ inline void q6_quad(const uint8_t* l, int64_t line_bytes, __m128i (&q)[4]) {
   q[1] = six(_mm_srli_epi16(n0, 4), _mm_slli_epi16(h, 2));
   q[2] = six(n1, h);
   q[3] = six(_mm_srli_epi16(n1, 4), _mm_srli_epi16(h, 2));
+}
+
+// q6_quad's q[k % 4] and q[k % 4 + 1] (k even) alone: a (k), b (k + 1).
+inline void q6_pair(const uint8_t* l, int64_t line_bytes, int64_t k, __m128i& a, __m128i& b) {
+  const bool second = k % 4 != 0;  // nibbles in line 3j + 1, high fields 2 and 3
+  const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + (second ? line_bytes : 0)));
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * line_bytes));
+  if (second) h = _mm_srli_epi16(h, 4);  // fields 2, 3 to bits 0-3 (masked below)
+  const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
+  a = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(n, m0f), _mm_and_si128(_mm_slli_epi16(h, 4), m30)), b32);
+  b = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), m0f),
+                                _mm_and_si128(_mm_slli_epi16(h, 2), m30)), b32);
 }
 
 template <int R, int C>
@@ -830,7 +844,7 @@ void run_act8(const Problem& pb, int num_threads) {
 // bit-identical builds.
 // A work item is a panel of 16 channels for a block of rows; a tile is R <= 6 rows (12
 // int32 sums, 2 weight vectors and a broadcast in 16 ymm registers; totals in memory).
-// K-quant weights (fmt 11: q4_k, 12: i8_k), the same scheme: x is quantized per row and
+// K-quant weights (fmt 11: q4_k, 12: i8_k, 14: q6_k), the same scheme: x is quantized per row and
 // group of 32 (kAct16KGroup) whatever the weight's group; each weight group g (q4_k: 32
 // input channels, i8_k: 16) gets its exact integer sum and its own float steps, with the
 // d1 = fp32(d) * sc and min1 = -(fp32(dmin) * m) of the fp32 paths (group_scales: exact)
@@ -841,7 +855,8 @@ void run_act8(const Problem& pb, int num_threads) {
 // sums are never added in integers (isum * sc would need 33 bits) nor in floats before the
 // steps, so every operation is one of q4_1x16's, and the sums are exact (|q qx| <= 128 *
 // 32767, 16 or 32 of them < 2^31). Nibbles are q4_1's (the same int4 layout), i8_k's
-// bytes q8_0's.
+// bytes q8_0's; q6_k's q - 32 are decoded to int8 per k pair (q6_pair), then as i8_k's, with
+// no min step (its groups of 16 as i8_k's).
 
 struct Act16 {
   std::vector<int16_t> q;  // [M, K] qx
@@ -927,6 +942,12 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     a = _mm256_and_si256(v, _mm256_set1_epi16(15));
     b = _mm256_srli_epi16(v, 4);
+  } else if constexpr (Fmt == kQ6K) {
+    __m128i qa, qb;
+    q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
+            k, qa, qb);
+    a = _mm256_cvtepi8_epi16(qa);
+    b = _mm256_cvtepi8_epi16(qb);
   } else {
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
@@ -954,6 +975,12 @@ inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
   if constexpr (is_4bit(Fmt)) {
     __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
                        kGemvPrefetchBytes);
+  } else if constexpr (Fmt == kQ6K) {  // a quad's three lines, once a quad
+    if (k % 4 == 0) {
+      const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines) +
+                       kGemvPrefetchBytes;
+      for (int i = 0; i < 3; ++i) __builtin_prefetch(pw + 64 * i);
+    }
   } else {
     const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) + kGemvPrefetchBytes / 2;
     __builtin_prefetch(pw);
@@ -1001,7 +1028,7 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
     }
     for (int c = 0; c < C; ++c) {
       __m256 d0, d1, n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
-      if constexpr (is_kquant(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
+      if constexpr (has_supers(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
         V16 d, mn;
         group_scales<Fmt>(pb, p0 + c, g, d, mn);
         alignas(64) float dm[2][16];
@@ -1199,6 +1226,11 @@ __attribute__((target("avx512vnni"))) inline __m512i pair_weights_vnni(const Pro
     // bits 0-3: q(c, k), bits 16-19: q(c, k + 1)
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)),
                             _mm512_set1_epi32(0x000F000F));
+  } else if constexpr (Fmt == kQ6K) {
+    __m128i a, b;
+    q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
+            k, a, b);
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
   } else {  // rows k and k + 1 of the block, 64 bytes apart: interleave, then widen
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -1384,7 +1416,7 @@ constexpr int64_t kAct16HalfBlockRows = 4;
 template <int Fmt>
 void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
-  quantize_rows16(pb, is_kquant(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
+  quantize_rows16(pb, has_supers(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (Fmt == kQ41 && use_gemv_q41_vnni(pb)) {
     std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
@@ -1457,18 +1489,19 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
 // the same packed weights; K a multiple of the group, at most 256 for int16, else code 1);
 // 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
 // per super_group input channels); 11 q4_k and 12 i8_k weights with int16 activations (per
-// group of 32); 13 q6_k (scale: sc, sup_scale: d, super_group 256, group 16). Other formats
-// ignore sup_scale, sup_min, super_group.
+// group of 32); 13 q6_k (scale: sc, sup_scale: d, super_group 256, group 16), 14 q6_k with
+// int16 activations. Other formats ignore sup_scale, sup_min, super_group.
 int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                         int64_t N, int64_t Np, const void* w, const float* scale,
                         const float* minv, int64_t group, const void* sup_scale,
                         const void* sup_min, int64_t super_group, const float* bias, float* y,
                         int64_t y_stride, int num_threads) {
   const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
-  const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset;
+  const bool act16_q6 = fmt == kQ6KAct16;
+  const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset || act16_q6;
   const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset || act16_k;
   if (act16_k) {
-    fmt -= kAct16KOffset;  // K a multiple of super_group, itself of kAct16KGroup: below
+    fmt = act16_q6 ? kQ6K : fmt - kAct16KOffset;  // K a multiple of super_group, itself of kAct16KGroup: below
   } else if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;
@@ -1497,6 +1530,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
       case kQ41: run_act16<kQ41>(pb, num_threads); break;
       case kQ4K: run_act16<kQ4K>(pb, num_threads); break;
       case kI8K: run_act16<kI8K>(pb, num_threads); break;
+      case kQ6K: run_act16<kQ6K>(pb, num_threads); break;
       default: run_act16<kQ80>(pb, num_threads); break;
     }
     return 0;
@@ -1541,6 +1575,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
   if (fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset) fmt -= kAct8Offset;  // same weights
   if (fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset) fmt -= kAct16Offset;
   if (fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset) fmt -= kAct16KOffset;
+  if (fmt == kQ6KAct16) fmt = kQ6K;
   if (!is_format(fmt) || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
       !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))

@@ -1,7 +1,7 @@
 """The fused decode forward over q4_k / i8_k / q6_k layers (GGUF K-quant blocks): it passes their
 super-block scales to the linear kernel, so a step's logits match the same model with the
-same weights as fp32 panels (up to fp32 rounding; with int16 activations, q4_kx16 / i8_kx16,
-up to their rounding), on every build."""
+same weights as fp32 panels (up to fp32 rounding; with int16 activations, q4_kx16 / i8_kx16 /
+q6_kx16, up to their rounding), on every build."""
 
 from __future__ import annotations
 
@@ -42,10 +42,9 @@ def test_fused_step_over_k_formats_matches_fp32_panels(isa, act16) -> None:
                                for i, (t, n) in enumerate(ps)]) for name, ps in parts.items()}
     assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k", "q6_k"}
     dense = {name: pack_f32(unpack(p)) for name, p in packed.items()}
-    if act16:  # q6_k has no int16-activation variant: its layers stay fp32-activation
-        packed = {name: p if p.fmt == "q6_k" else with_int16_activations(p)
-                  for name, p in packed.items()}
-        assert {p.fmt for p in packed.values()} == {"q4_kx16", "i8_kx16", "q6_k"}
+    if act16:
+        packed = {name: with_int16_activations(p) for name, p in packed.items()}
+        assert {p.fmt for p in packed.values()} == {"q4_kx16", "i8_kx16", "q6_kx16"}
     step = (torch.tensor([3, 7]), torch.tensor([0, 0]), torch.tensor([0, 16]),
             torch.tensor([[0, 0], [1, 0]]), torch.tensor([1, 1]), torch.tensor([0, 1]))
     got = _model(packed, isa, torch.Generator().manual_seed(0))(*step)

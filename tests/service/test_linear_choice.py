@@ -419,11 +419,9 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     assert PATHS[path].mode == "auto" and PATHS[path].accepts(lw)
     assert not PATHS["bf16"].accepts(lw) and not PATHS["cpp-q4_1-avx2"].accepts(lw)
     assert f"{fmt}-dequant-mm" in PATHS
-    x16 = PATHS.get(f"cpp-{fmt}x16-avx2")  # int16 activations: auto's, not --batch-invariant's
-    assert (x16 is None) == (fmt == "q6_k")  # q6_k: fp32 activations only
-    if x16 is not None:
-        assert x16.native == fmt and x16.activation_bits == 16 and x16.bound("auto") == 1e-3
-        assert x16 in candidates("auto", False) and x16 not in candidates("auto", True)
+    x16 = PATHS[f"cpp-{fmt}x16-avx2"]  # int16 activations: auto's, not --batch-invariant's
+    assert x16.native == fmt and x16.activation_bits == 16 and x16.bound("auto") == 1e-3
+    assert x16 in candidates("auto", False) and x16 not in candidates("auto", True)
     if PATHS[path].problem() is not None:
         return
     layers = {"qkv": (w, None)}
@@ -436,8 +434,6 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     assert plan.choices["qkv"][0] == path and plan.errors["qkv"][path][0] < 1e-6
     lin = PATHS[path].bind(lw)
     assert lin.packed.fmt == fmt and torch.equal(unpack(lin.packed), w)
-    if x16 is None:
-        return
     lin16 = x16.bind(lw)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     want = x.double() @ w.double().t()

@@ -13,7 +13,7 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
 | ``cpp-{q4_k,i8_k,q6_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; any K-quant mix in 8 bits; Q6_K), ours | fp32 | yes |
 | ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
-| ``cpp-{q4_1,q8_0,q4_k,i8_k}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
+| ``cpp-{q4_1,q8_0,q4_k,i8_k,q6_k}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
 | ``{int8,int4,q4_1,q8_0,q4_k,i8_k,q6_k}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
@@ -96,7 +96,7 @@ is int8 mode's. On SmolLM2-135M (docs/perf/HISTORY.md, 2026-12-01 accuracy repor
 activations on every layer cost teacher-forced top-1 agreement 93.9% and perplexity +1.5%
 (the LM head alone 98.2%), so they serve only --quantization auto-a8, never the default."""
 ACT16_ERROR_BOUND = 1e-3
-"""int16 activations per row and group of 32 (``cpp-{q4_1,q8_0,q4_k,i8_k}x16-*``): each x is
+"""int16 activations per row and group of 32 (the ``cpp-{native}x16-*`` paths): each x is
 rounded against its group's largest |x| with 2^-16 of it at most; measured 2e-5 - 5e-5
 relative error (norm) against the weights' fp32 product on random rows with an outlier
 token (AVX2 Zen 3), 20 times below this bound, which is 20 times below bf16's."""
@@ -300,8 +300,8 @@ _NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k", "q6_k")
 """Formats of a checkpoint's own blocks (``native.fmt``) that have paths."""
 _ACT_NATIVE = ("q4_1", "q8_0")
 """Those with int8 activation variants (x8)."""
-_ACT16_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k")
-"""Those with int16 activation variants (x16)."""
+_ACT16_NATIVE = _NATIVE
+"""Those with int16 activation variants (x16): all."""
 
 
 def _cpp_act8(fmt: str, isa: str) -> LinearPath:
@@ -316,7 +316,7 @@ def _cpp_act8(fmt: str, isa: str) -> LinearPath:
 
 
 def _cpp_act16(fmt: str, isa: str) -> LinearPath:
-    """Our kernel over the checkpoint's own q4_1 / q8_0 / q4_k / i8_k blocks with x quantized
+    """Our kernel over the checkpoint's own q4_1 / q8_0 / q4_k / i8_k / q6_k blocks with x quantized
     to int16 per row and group of 32 (``quantize_activations(..., levels=32767)``),
     multiplied with ``vpmaddwd`` / ``vpdpwssd``: the same weights, under ACT16_ERROR_BOUND.
     Offered in auto and auto-a8."""
