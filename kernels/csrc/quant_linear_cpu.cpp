@@ -27,8 +27,8 @@
 //   q6_k (GGUF's Q6_K, w = (d[n, S] sc[n, g]) (q - 32), q in [0, 63], groups of 16): as q8_0
 //                with d1 = fp32(d) * sc (exact) for d: acc = fma(d1, s, acc) (i8_k's bits over
 //                the same blocks: their mins are 0)
-//   q4_1x16, q8_0x16, q4_kx16, i8_kx16: the same weights times x quantized to int16 per row
-//                and group of 32 (see "int16 activations" below)
+//   q4_1x16, q8_0x16, q4_kx16, i8_kx16, q6_kx16: the same weights times x quantized to int16
+//                per row and group of 32 (see "int16 activations" below)
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
 // or how the work is split: batch invariance for free, and the builds are bit-identical.
 //
