@@ -387,8 +387,10 @@ def _k_packed(types: tuple[str, ...], n: int, k: int, bias: bool = True) -> Pack
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("types", K_MIXES)
-@pytest.mark.parametrize("n,k", [(70, 256), (33, 512), (130, 768)])
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 512), (130, 768), (260, 2048)])
 def test_k_formats_match_the_reference_at_every_row_count(isa, types, n, k) -> None:
+    """Every row count, including the many-row tiles with (K <= 1024) and without (K 2048: a
+    strip past kStripMaxBytes) a strip of unpacked weights: the same bits for a row."""
     packed = _k_packed(types, n, k, bias=n % 2 == 0)
     assert packed.fmt == {("Q4_K",): "q4_k", ("Q6_K",): "q6_k"}.get(types, "i8_k")
     x = torch.randn(max(K_ROWS), k, generator=torch.Generator().manual_seed(2))
