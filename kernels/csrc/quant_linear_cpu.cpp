@@ -395,13 +395,16 @@ inline void q6_quad(const uint8_t* l, int64_t line_bytes, __m128i (&q)[4]) {
 // q6_quad's q[k % 4] and q[k % 4 + 1] (k even) alone: a (k), b (k + 1).
 inline void q6_pair(const uint8_t* l, int64_t line_bytes, int64_t k, __m128i& a, __m128i& b) {
   const bool second = k % 4 != 0;  // nibbles in line 3j + 1, high fields 2 and 3
-  const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + (second ? line_bytes : 0)));
+  const uint8_t* ln = l + (second ? line_bytes : 0);
+  const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ln));
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * line_bytes));
   if (second) h = _mm_srli_epi16(h, 4);  // fields 2, 3 to bits 0-3 (masked below)
   const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
-  a = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(n, m0f), _mm_and_si128(_mm_slli_epi16(h, 4), m30)), b32);
-  b = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), m0f),
-                                _mm_and_si128(_mm_slli_epi16(h, 2), m30)), b32);
+  const auto six = [&](__m128i low, __m128i high) {  // as q6_quad's
+    return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(low, m0f), _mm_and_si128(high, m30)), b32);
+  };
+  a = six(n, _mm_slli_epi16(h, 4));
+  b = six(_mm_srli_epi16(n, 4), _mm_slli_epi16(h, 2));
 }
 
 template <int R, int C>
@@ -985,8 +988,8 @@ inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
                        kGemvPrefetchBytes);
   } else if constexpr (Fmt == kQ6K) {  // a quad's three lines, once a quad
     if (k % 4 == 0) {
-      const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines) +
-                       kGemvPrefetchBytes;
+      const char* pw = static_cast<const char*>(pb.w) +
+                       at(p0, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines) + kGemvPrefetchBytes;
       for (int i = 0; i < 3; ++i) __builtin_prefetch(pw + 64 * i);
     }
   } else {
@@ -1509,7 +1512,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
   const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset || act16_q6;
   const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset || act16_k;
   if (act16_k) {
-    fmt = act16_q6 ? kQ6K : fmt - kAct16KOffset;  // K a multiple of super_group, itself of kAct16KGroup: below
+    fmt = act16_q6 ? kQ6K : fmt - kAct16KOffset;  // K: a multiple of super_group (below)
   } else if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;

@@ -237,8 +237,8 @@ class LinearPath:
     never depends on the other rows of the call. quantizes_activations: needs SmoothQuant'd
     weights. bind: builds the callable. problem: why the path cannot run here (None when it
     can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0", "q4_k",
-    "i8_k", "q6_k"; it serves only layers that have them), or None (any layer). min_rows: offered for calls of at
-    least this many rows. error_bound: its own relative error bound (None: the mode's).
+    "i8_k", "q6_k"; it serves only layers that have them), or None (any layer). min_rows:
+    offered for calls of at least this many rows. error_bound: its own relative error bound (None: the mode's).
     activation_bits: what x is rounded to before the product (32: fp32, as given).
     rounds_native: whether it may serve a layer that has a checkpoint's own blocks (False:
     bf16, which would round the file's weights instead of serving them as they are).
