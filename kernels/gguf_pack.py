@@ -15,6 +15,7 @@ once. The legacy types fit it with sc = 1: Q8_0 ``d q``, Q5_0 ``d (q - 16)``, Q4
 | GGUF types of the parts | format | bits a weight |
 |---|---|---|
 | all Q4_K | q4_k | 4.625 (file 4.5) |
+| all Q6_K | q6_k | 6.5625 (the file's) |
 | all Q4_0 / Q4_1 | q4_1 (Q4_0: min = -8 d, exact in fp16) | 5.0 |
 | all Q8_0 / Q5_0 | q8_0 (Q5_0: q - 16) | 8.5 |
 | all F32 / F16 / BF16 | f32 | 32 |
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from kernels.quant_pack import PackedWeight, pack_f32, pack_k_blocks, pack_q4_1_blocks, \
-    pack_q8_0_blocks
+    pack_q6_k_blocks, pack_q8_0_blocks
 
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
@@ -55,7 +56,8 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 def gguf_format(types: Sequence[str]) -> str | None:
     """The packed format that serves a fused weight whose parts have these GGUF type names
     (module table), or None when none serves them exactly (or `types` is empty).
-    E.g. ("Q4_K", "Q4_K", "Q4_K") -> "q4_k"; ("Q4_K", "Q4_K", "Q6_K") -> "i8_k";
+    E.g. ("Q4_K", "Q4_K", "Q4_K") -> "q4_k"; ("Q6_K",) -> "q6_k"; ("Q4_K", "Q4_K", "Q6_K") ->
+    "i8_k";
     ("Q4_0",) -> "q4_1"; ("IQ2_XS",) -> None."""
     kinds = set(types)
     if not kinds or not kinds <= set(BLOCK_BYTES):
@@ -66,6 +68,8 @@ def gguf_format(types: Sequence[str]) -> str | None:
         return None
     if kinds == {"Q4_K"}:
         return "q4_k"
+    if kinds == {"Q6_K"}:
+        return "q6_k"
     if kinds <= {"Q4_0", "Q4_1"}:
         return "q4_1"
     if kinds <= {"Q8_0", "Q5_0"}:
@@ -118,6 +122,8 @@ def pack_gguf(parts: Sequence[tuple[str, torch.Tensor]],
     if fmt == "q4_k":  # sc, m per 32: the form's per-16 values come in equal pairs
         return pack_k_blocks("q4_k", b.q.to(torch.uint8), b.sc[:, ::2].to(torch.uint8),
                              b.m[:, ::2].to(torch.uint8), b.d, b.dmin, bias)
+    if fmt == "q6_k":  # q - 32 in the form; no min
+        return pack_q6_k_blocks((b.q + 32).to(torch.uint8), b.sc.to(torch.int8), b.d, bias)
     if fmt == "i8_k":
         return pack_k_blocks("i8_k", b.q.to(torch.int8), b.sc.to(torch.int8),
                              b.m.to(torch.int8), b.d, b.dmin, bias, super_group=b.size)

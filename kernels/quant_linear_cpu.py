@@ -1,5 +1,5 @@
 """Linear layers with fp32, int8 or int4 weights (scales in fp32, or fp16 as in GGUF's Q4_1 /
-Q8_0 blocks, or GGUF's K-quant super-blocks: q4_k, i8_k) on the CPU: our C++ kernels.
+Q8_0 blocks, or GGUF's K-quant super-blocks: q4_k, i8_k, q6_k) on the CPU: our C++ kernels.
 
 At one to a few rows a decode step's linear layers stream every weight from memory, so
 weights that are 4 or 8 times smaller and dequantized on the fly in registers (llama.cpp's
@@ -41,10 +41,12 @@ VARIANTS: dict[str, CppKernel] = {
 }
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
 FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6,
-                "q4_1x16": 7, "q8_0x16": 8, "q4_k": 9, "i8_k": 10}
+                "q4_1x16": 7, "q8_0x16": 8, "q4_k": 9, "i8_k": 10, "q4_kx16": 11, "i8_kx16": 12,
+                "q6_k": 13, "q6_kx16": 14}
 """``conveyor_qlinear_ex``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass
 their fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const
-float*``, q4_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``)."""
+float*``, q4_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``),
+q6_k its sc bytes (and d as ``sup_scale``)."""
 
 __all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize",
            "entry_point", "format_code", "isa_problem", "quant_linear"]

@@ -1,7 +1,7 @@
 """Weights packed for the C++ linear kernels (``kernels.quant_linear_cpu``), and their torch
 references.
 
-Eleven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
+Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
 
 - ``f32``: the weight as is, in panels (for the batch-invariant fp32 path);
 - ``int8``: symmetric per output channel, ``W[n, :] ~= scale[n] * q[n, :]``, q in
@@ -29,6 +29,16 @@ Eleven formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   an int8 sc and m, per super-block of ``super_group`` (256, or 32 when a legacy type is in
   the mix) fp16 d and dmin: the same ``W = (d sc) q - (dmin m)`` (9.125 bits a weight at
   256). ``kernels.gguf_pack`` packs both from a file's bytes.
+- ``q6_k``: GGUF's Q6_K blocks (ggml's ``block_q6_K``): per super-block of 256 an fp16 d,
+  per group of 16 an int8 sc, 6-bit q: ``W = (d sc) (q - 32)`` (exact in fp32: 11 + 7 + 5
+  significant bits at most). Stored as the file's bits regrouped (nibble lines and a
+  high-bit line per 4 input channels, ``pack_q6_k_blocks``): 6.5625 bits a weight, as the
+  file; layers that are all Q6_K (mixes stay i8_k);
+- ``q4_kx16``, ``i8_kx16``, ``q6_kx16``: q4_k's, i8_k's and q6_k's weights times x quantized
+  to int16 per row and group of 32 (``ACT16_K_GROUP``; two groups of 16 in one share its
+  scale), as
+  ``q4_1x16``: each weight group's exact integer sum, then its float steps with the group's
+  ``d * sc`` and ``-(dmin * m)`` (``kernels/csrc/quant_linear_cpu.cpp``).
 
 q4_1 / q8_0 weights come from a GGUF file's own blocks (``pack_q4_1_blocks``,
 ``pack_q8_0_blocks``: the served weight is the file's, bit for bit) or from fp32 by round to
@@ -59,7 +69,13 @@ Q8 activation blocks), over the weights of the format named: the same packed ten
 ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
 """The same with int16 activations (``with_int16_activations``; ``quantize_activations``
 with ``levels=32767``)."""
-ACT_LEVELS = {**{f: 127 for f in ACT8_FORMATS}, **{f: 32767 for f in ACT16_FORMATS}}
+K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k", "q6_kx16": "q6_k"}
+"""int16 activations over the K-quant weights (``with_int16_activations``), per row and group
+of ACT16_K_GROUP input channels whatever the weight's group."""
+ACT16_K_GROUP = 32
+"""The activation group of ``K_ACT16_FORMATS``: q4_k's weight group, two of i8_k's."""
+ACT_LEVELS = {**{f: 127 for f in ACT8_FORMATS},
+              **{f: 32767 for f in {**ACT16_FORMATS, **K_ACT16_FORMATS}}}
 """The largest |q| of each activation-quantizing format's x."""
 ACT16_MAX_GROUP = 256
 """int16 activations keep a group's integer sum in int32: at most 256 products of 127 * 32767."""
@@ -84,6 +100,10 @@ class PackedWeight:
     in [0, 63], i8_k int8); super_scale, super_min: d and dmin [Np/64, K/super_group, 64]
     float16; super_group: input channels per d (q4_k 256; i8_k 256 or 32). The weight is
     ``(d * sc) * q - dmin * m`` in fp32 (``unpack``).
+    q6_k: data [Np/64, 3K/4, 64] uint8 (per 4 input channels two nibble lines and a
+    high-bit line, ``pack_q6_k_blocks``); scale sc [Np/64, K/16, 64] int8; super_scale d
+    [Np/64, K/256, 64] float16; minv, super_min None; group 16, super_group 256. The weight
+    is ``(d * sc) * (q - 32)``, exact in fp32.
     """
 
     fmt: str
@@ -321,13 +341,15 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     int8: q * scale (one rounding); int4, q4_1: d * q + min, rounded once (as the kernel's
     fma); q8_0: d * q (exact).
     """
-    base = {**ACT8_FORMATS, **ACT16_FORMATS}.get(packed.fmt)
+    base = _ACT_BASE.get(packed.fmt)
     if base is not None:  # the same weights
         packed = dataclasses.replace(packed, fmt=base)
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     rows = packed.data.movedim(-1, 1).reshape(np_, -1)[:n]            # [N, K or ceil(K/2)]
     if packed.fmt in K_FORMATS:
         return _unpack_k(packed, rows)
+    if packed.fmt == "q6_k":
+        return _unpack_q6_k(packed, rows)
     if packed.fmt == "f32":
         return rows.clone()
     if packed.fmt == "int8":
@@ -363,6 +385,62 @@ def _unpack_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     d1 = per_k(packed.super_scale, s_of_k) * per_k(packed.scale, g_of_k)
     dm = per_k(packed.super_min, s_of_k) * per_k(packed.minv, g_of_k)
     return d1 * q.float() - dm
+
+
+def _q6_lines(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 in [0, 63] (K a multiple of 4) -> [N, 3 K / 4]: per quad j of k, the
+    nibbles of k = 4j, 4j + 1 (low, high), of 4j + 2, 4j + 3, then the four high 2-bit
+    fields (bits 2i, 2i + 1: k = 4j + i)."""
+    n, k = q.shape
+    quad = q.view(n, k // 4, 4)
+    low, high = quad & 15, quad >> 4
+    lines = torch.stack([low[..., 0] | (low[..., 1] << 4), low[..., 2] | (low[..., 3] << 4),
+                         high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4)
+                         | (high[..., 3] << 6)], dim=-1)
+    return lines.reshape(n, -1)
+
+
+def _unpack_q6_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """q6_k: ``(d * sc) * (q - 32)`` in fp32, exact (gguf-py's value)."""
+    n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
+    assert packed.scale is not None and packed.super_scale is not None
+    lines = rows.reshape(n, k // 4, 3)
+    high = lines[..., 2]
+    q = torch.stack([(lines[..., 0] & 15) | ((high & 3) << 4),
+                     (lines[..., 0] >> 4) | (((high >> 2) & 3) << 4),
+                     (lines[..., 1] & 15) | (((high >> 4) & 3) << 4),
+                     (lines[..., 1] >> 4) | ((high >> 6) << 4)], dim=-1).reshape(n, k)
+
+    def per_k(t: torch.Tensor, size: int) -> torch.Tensor:
+        return t.movedim(-1, 1).reshape(np_, -1)[:n, torch.arange(k) // size].float()
+
+    d1 = per_k(packed.super_scale, packed.super_group) * per_k(packed.scale, packed.group)
+    return d1 * (q.float() - 32)
+
+
+def pack_q6_k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> PackedWeight:
+    """Pack Q6_K blocks as they are: ``W[n, k] = (d[n, k // 256] * sc[n, k // 16]) *
+    (q[n, k] - 32)``. q: [N, K] uint8 in [0, 63], K a multiple of 256; sc: [N, K / 16] int8;
+    d: [N, K / 256] float16, finite. Raises ValueError for other shapes, dtypes or values."""
+    if q.dim() != 2 or q.dtype != torch.uint8 or q.shape[0] < 1 or q.shape[1] < 1 or \
+            q.shape[1] % 256:
+        raise ValueError(f"q6_k: q must be uint8 [N, K] with K a multiple of 256, got "
+                         f"{q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    for name, t, shape, dt in (("sc", sc, (n, k // 16), torch.int8),
+                               ("d", d, (n, k // 256), torch.float16)):
+        if t.dtype != dt or tuple(t.shape) != shape:
+            raise ValueError(f"q6_k: {name} must be {dt} {shape}, got {t.dtype} {tuple(t.shape)}")
+    if not bool(torch.isfinite(d).all()):
+        raise ValueError("q6_k: d must be finite")
+    if int(q.max()) > 63:
+        raise ValueError("q6_k: q must be in [0, 63]")
+    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
+        raise ValueError(f"bias must be float [out] = [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    np_ = _np(n)
+    return PackedWeight("q6_k", n, k, _panels(_q6_lines(q), np_), _panels(sc, np_), None,
+                        _padded_bias(bias, np_), 16, _panels(d, np_), None, 256)
 
 
 def pack_k_blocks(fmt: str, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
@@ -410,9 +488,12 @@ def with_int8_activations(packed: PackedWeight) -> PackedWeight:
 
 
 def with_int16_activations(packed: PackedWeight) -> PackedWeight:
-    """The q4_1 / q8_0 weight `packed` as ``q4_1x16`` / ``q8_0x16`` (int16 activations),
-    sharing its tensors. Raises ValueError for another format, K not a multiple of the group,
-    or a group above ACT16_MAX_GROUP."""
+    """The q4_1 / q8_0 / q4_k / i8_k / q6_k weight `packed` as ``q4_1x16`` / ``q8_0x16`` /
+    ``q4_kx16`` / ``i8_kx16`` / ``q6_kx16`` (int16 activations), sharing its tensors. Raises
+    ValueError for another format, K not a multiple of the group, or a group above
+    ACT16_MAX_GROUP."""
+    if packed.fmt in K_ACT16_FORMATS.values():  # K: a multiple of super_group, so of 32
+        return _with_activations(packed, K_ACT16_FORMATS, "int16")
     if packed.group > ACT16_MAX_GROUP:
         raise ValueError(f"int16 activations need a group of at most {ACT16_MAX_GROUP}, got "
                          f"{packed.group}")
@@ -422,11 +503,16 @@ def with_int16_activations(packed: PackedWeight) -> PackedWeight:
 def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
     fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        raise ValueError(f"{what} activations serve q4_1 and q8_0 weights, not {packed.fmt}")
+        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k, i8_k and q6_k"
+        raise ValueError(f"{what} activations serve {serves} weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
         raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "
                          f"even group ({packed.group})")
     return dataclasses.replace(packed, fmt=fmt)
+
+
+_ACT_BASE = {**ACT8_FORMATS, **ACT16_FORMATS, **K_ACT16_FORMATS}
+"""Each activation-quantizing format's weight format (the same packed tensors)."""
 
 
 def quantize_activations(x: torch.Tensor, group: int,
@@ -462,12 +548,17 @@ def quant_linear_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 
 
 def _act_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    n, k, g = packed.out_features, packed.in_features, packed.group
+    n, k = packed.out_features, packed.in_features
+    g = ACT16_K_GROUP if packed.fmt in K_ACT16_FORMATS else packed.group
     q, d = quantize_activations(x, g, ACT_LEVELS[packed.fmt])
     xq = (q.double().reshape(-1, k // g, g) * d.double()[..., None]).reshape(-1, k)
-    base = dataclasses.replace(packed, fmt={**ACT8_FORMATS, **ACT16_FORMATS}[packed.fmt])
+    base = dataclasses.replace(packed, fmt=_ACT_BASE[packed.fmt])
     y = torch.zeros(x.shape[0], n, dtype=torch.float64)
-    if base.minv is not None:  # W = d q + min: the min term over x itself
+    if base.fmt in K_FORMATS:  # W = (d sc) q - dmin m: the min term over x itself
+        y += x.double() @ unpack(dataclasses.replace(base, data=torch.zeros_like(base.data))
+                                 ).double().t()             # q = 0: -(dmin m), exact
+        base = dataclasses.replace(base, minv=torch.zeros_like(base.minv))  # (d sc) q: exact
+    elif base.minv is not None:  # W = d q + min: the min term over x itself
         g_of_k = torch.arange(k) // g
         mins = base.minv.movedim(-1, 1).reshape(base.padded_out, -1)[:n, g_of_k].double()
         y += x.double() @ mins.t()

@@ -24,6 +24,11 @@
 //                exactly: d1 = fp32(d) * sc, min1 = -(fp32(dmin) * m) (at most 11 + 8
 //                significant bits: no rounding), then
 //                acc = fma(xsum[m, g], min1, fma(d1, s, acc))
+//   q6_k (GGUF's Q6_K, w = (d[n, S] sc[n, g]) (q - 32), q in [0, 63], groups of 16): as q8_0
+//                with d1 = fp32(d) * sc (exact) for d: acc = fma(d1, s, acc) (i8_k's bits over
+//                the same blocks: their mins are 0)
+//   q4_1x16, q8_0x16, q4_kx16, i8_kx16, q6_kx16: the same weights times x quantized to int16
+//                per row and group of 32 (see "int16 activations" below)
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
 // or how the work is split: batch invariance for free, and the builds are bit-identical.
 //
@@ -44,9 +49,15 @@
 //   i8_k:  w as int8 (group 16);  sc, m [Np / 64, K / 16, 64] int8;  d, dmin
 //          [Np / 64, K / S, 64] fp16, S = super_group, 256 or 32 (9.125 bits a weight at
 //          256: any mix of GGUF's K-quant and legacy blocks, kernels/gguf_pack.py)
+//   q6_k:  w [Np / 64, 3 K / 4, 64] uint8, three lines per quad j of k (4j .. 4j + 3): line
+//          3j: byte c = q(c, 4j) & 15 | (q(c, 4j + 1) & 15) << 4, line 3j + 1: the same for
+//          4j + 2, 4j + 3, line 3j + 2: byte c = sum over i of (q(c, 4j + i) >> 4) << 2i;
+//          sc [Np / 64, K / 16, 64] int8; d [Np / 64, K / 256, 64] fp16 (6.5625 bits a
+//          weight: GGUF's Q6_K block, its own bits regrouped; a one-row call streams each
+//          block's lines in order)
 // The C ABI passes scale / minv as float pointers; for q4_1 / q8_0 they point at fp16 data,
 // for q4_k / i8_k at the bytes sc and m (d and dmin: conveyor_qlinear_ex's sup_scale,
-// sup_min).
+// sup_min); for q6_k scale at sc and sup_scale at d (minv, sup_min unused).
 // so a one-row call reads each block as one sequential stream. A panel is 16 channels (a
 // quarter of a block: one vector). A tile is R rows x C panels: for each k, C weight vectors
 // are loaded (and converted) once and multiplied into R x C accumulators by broadcasting
@@ -71,12 +82,14 @@ constexpr const char* kIsa = "avx512";
 // Tile shapes (rows x panels) for many rows and for one, per format {fp32, int8, int4, q4_1,
 // q8_0}: accumulators R x C vectors (grouped formats: twice: group sums and totals) in 32
 // vector registers.
-// q8_0}, then (codes 5-8: the activation-quantizing formats, not run by run<>) {q4_k, i8_k}.
-constexpr int kGemmRows[11] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6},
-              kGemmPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4},
-              kGemvPanels[11] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4};
+// q8_0}, then (codes 5-8, 11, 12: the activation-quantizing formats, not run by run<>) {q4_k,
+// i8_k}, then q6_k (code 13: unpacked in each tile: 6 x 2 tiles, 24 of the 32 registers).
+constexpr int kGemmRows[14] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6, 0, 0, 6},
+              kGemmPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 2},
+              kGemvPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 4};
 // Whether many-row calls unpack int8 / int4 weights once per panel group (unpack_strip).
-constexpr bool kStrip[11] = {false, true, true, true, true, false, false, false, false, true, true};
+constexpr bool kStrip[14] = {false, true, true, true, true, false, false, false, false, true, true,
+                             false, false, false};
 struct V16 {
   __m512 v;
 };
@@ -101,6 +114,7 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
   hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
+inline V16 i8_to_f(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 // As above within 16 registers (a V16 is two of them). The grouped formats keep their group
@@ -108,14 +122,14 @@ constexpr const char* kIsa = "avx2";
 // sums + 4 unpacked weight vectors + 1 broadcast; q8_0, R = 6: 12 + 2 + 1. Measured on a
 // Zen 3 (AVX2, 2 threads) against R = 2: 1.3-1.6x at 16 rows ([3072 x 576] q4_1: 1.10 ->
 // 0.69 ms; the [49152 x 576] q8_0 LM head 14.2 -> 10.4 ms), the same at 1-2 rows.
-// q4_k as q4_1, i8_k as q8_0 (codes 5-8 unused, as above).
-constexpr int kGemmRows[11] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6},
-              kGemmPanels[11] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1},
-              kGemvPanels[11] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2};
+// q4_k as q4_1, i8_k and q6_k as q8_0 (codes 5-8, 11, 12 unused, as above).
+constexpr int kGemmRows[14] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6, 0, 0, 6},
+              kGemmPanels[14] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1},
+              kGemvPanels[14] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2, 0, 0, 2};
 // int4 from a strip measured 1.5-2.5x slower here than unpacking in each tile (GCC 12 keeps
 // the group sums in memory when a V16 is two ymm registers); q8_0's group sums alike.
-constexpr bool kStrip[11] = {false, true, false, false, false, false, false, false, false, false,
-                             false};
+constexpr bool kStrip[14] = {false, true, false, false, false, false, false, false, false, false,
+                             false, false, false, false};
 struct V16 {
   __m256 lo, hi;
 };
@@ -153,24 +167,41 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b, mask))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
 }
+inline V16 i8_to_f(__m128i q) {  // 16 int8 -> fp32 (exact)
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
 #else
 #error "quant_linear_cpu.cpp needs AVX-512 (F, BW) or AVX2 + FMA + F16C"
 #endif
 
-enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10 };
+enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10, kQ6K = 13 };
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
+constexpr int kAct16KOffset = 2;  // fmt 11, 12: q4_k, i8_k weights with int16 activations
+constexpr int kQ6KAct16 = 14;     // fmt 14: q6_k weights with int16 activations
+// The activation group of int16 activations over the K-quants (q4_k's weight group; two of
+// i8_k's groups of 16).
+constexpr int64_t kAct16KGroup = 32;
 constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41 || f == kQ4K; }
 constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80 || f == kI8K; }
 constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K; }
-constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || is_kquant(f); }
+constexpr bool has_supers(int f) { return is_kquant(f) || f == kQ6K; }  // sup_scale: d
+constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || has_supers(f); }
 constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
 constexpr bool has_half_scales(int f) { return f == kQ41 || f == kQ80; }
-constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || is_kquant(f); }
+constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || has_supers(f); }
 
 // From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
 // floats (unpack_strip) instead of once per tile.
 constexpr int64_t kStripRowBlocks = 2;
+
+// A strip larger than this (C panels x K floats: 256 KiB at K = 1024, C = 4) is not used: it
+// does not stay in L2 across the row blocks that read it. Measured on Zen 4 (1 MB L2, 2
+// threads, shared machine: indicative), q4_k [14336 x 4096] on AVX-512 (a 1 MiB strip):
+// 16 rows 64 -> 24 ms, 512 rows 1635 -> 690-790 ms (AVX2's tiles: 28-32, 716-890 ms).
+// Smaller strips (K <= 1024) are kept: their timings here were within this machine's noise.
+constexpr int64_t kStripMaxBytes = 256 << 10;
 
 struct Problem {
   const float* x;
@@ -206,7 +237,11 @@ inline V16 load_scale(const void* p, int64_t off) {
 template <int Fmt>
 inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& mn) {
   const int64_t off = at(p, pb.groups, g);
-  if constexpr (is_kquant(Fmt)) {
+  if constexpr (Fmt == kQ6K) {  // d = d_S * sc (no min)
+    const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
+    d = mul(load_h(pb.sup_scale + soff), load_i8(static_cast<const int8_t*>(pb.scale) + off));
+    mn = zero();
+  } else if constexpr (is_kquant(Fmt)) {
     const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
     V16 sc, m;
     if constexpr (Fmt == kQ4K) {
@@ -334,6 +369,84 @@ inline void tile_q8(const Problem& pb, const float* x, const float* xsum, int64_
   }
 }
 
+// q6_k, per group g of 16: s = sum over the group's k (in order) of fma(x[k], q[k] - 32, s),
+// then acc = fma(d[g], s, acc) with d = d_S * sc (exact): tile_q8's operations (and so i8_k's
+// bits over the same Q6_K blocks, whose mins are 0). The packed lines of a block come in
+// threes per quad of k (kQ6Lines): nibbles of pairs 2j and 2j + 1, then the quad's high bits.
+constexpr int64_t kQ6Lines = 3;
+
+// q - 32 of 16 channels at k = 4j .. 4j + 3 (q[i]: k = 4j + i, int8) from the quad's lines
+// (l: the block's line 3j, at the panel's 16 bytes): byte arithmetic on 128-bit registers,
+// the same in both builds (cheaper than widening first).
+inline void q6_quad(const uint8_t* l, int64_t line_bytes, __m128i (&q)[4]) {
+  const __m128i n0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l));
+  const __m128i n1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + line_bytes));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * line_bytes));
+  const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
+  const auto six = [&](__m128i low, __m128i high) {  // (low & 15 | high & 0x30) - 32
+    return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(low, m0f), _mm_and_si128(high, m30)), b32);
+  };
+  q[0] = six(n0, _mm_slli_epi16(h, 4));
+  q[1] = six(_mm_srli_epi16(n0, 4), _mm_slli_epi16(h, 2));
+  q[2] = six(n1, h);
+  q[3] = six(_mm_srli_epi16(n1, 4), _mm_srli_epi16(h, 2));
+}
+
+// q6_quad's q[k % 4] and q[k % 4 + 1] (k even) alone: a (k), b (k + 1).
+inline void q6_pair(const uint8_t* l, int64_t line_bytes, int64_t k, __m128i& a, __m128i& b) {
+  const bool second = k % 4 != 0;  // nibbles in line 3j + 1, high fields 2 and 3
+  const uint8_t* ln = l + (second ? line_bytes : 0);
+  const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ln));
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 2 * line_bytes));
+  if (second) h = _mm_srli_epi16(h, 4);  // fields 2, 3 to bits 0-3 (masked below)
+  const __m128i m0f = _mm_set1_epi8(0x0F), m30 = _mm_set1_epi8(0x30), b32 = _mm_set1_epi8(32);
+  const auto six = [&](__m128i low, __m128i high) {  // as q6_quad's
+    return _mm_sub_epi8(_mm_or_si128(_mm_and_si128(low, m0f), _mm_and_si128(high, m30)), b32);
+  };
+  a = six(n, _mm_slli_epi16(h, 4));
+  b = six(_mm_srli_epi16(n, 4), _mm_slli_epi16(h, 2));
+}
+
+template <int R, int C>
+inline void tile_q6(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R][C]) {
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w);
+  const int64_t lines = pb.K / 4 * kQ6Lines;
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    V16 s[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = zero();
+    const int64_t k1 = (g + 1) * pb.group;
+    for (int64_t k = g * pb.group; k < k1; k += 4) {
+      const int64_t j = k / 4 * kQ6Lines;
+      if constexpr (R == 1) {  // a one-row call streams: see kGemvPrefetchI4Bytes
+        const uint8_t* ahead = w + at(p0, lines, j) + kGemvPrefetchI4Bytes;
+        __builtin_prefetch(ahead);
+        __builtin_prefetch(ahead + 64);
+        __builtin_prefetch(ahead + 128);
+      }
+      __m128i q[C][4];
+      for (int c = 0; c < C; ++c) q6_quad(w + at(p0 + c, lines, j), 64, q[c]);
+      for (int i = 0; i < 4; i += 2) {
+        V16 lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          lo[c] = i8_to_f(q[c][i]);
+          hi[c] = i8_to_f(q[c][i + 1]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const V16 xa = bcast(x[r * pb.x_stride + k + i]);
+          const V16 xb = bcast(x[r * pb.x_stride + k + i + 1]);
+          for (int c = 0; c < C; ++c) s[r][c] = fma(xb, hi[c], fma(xa, lo[c], s[r][c]));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      V16 d, mn;
+      group_scales<kQ6K>(pb, p0 + c, g, d, mn);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma(d, s[r][c], acc[r][c]);
+    }
+  }
+}
+
 // For many rows: the weights of panels p0 .. p0+C-1 converted once to floats, [C][K][16]
 // (the int8 or int4 values q themselves, exact: no scale applied), so that every row block
 // reads them without unpacking again. The tiles below do the same fp32 operations on them
@@ -425,6 +538,8 @@ void tile(const Problem& pb, int64_t m0, int64_t p0, const float* strip = nullpt
   const float* xsum = has_min(Fmt) ? pb.xsum + m0 * pb.groups : nullptr;
   if (Fmt == kF32)
     tile_f32<R, C>(pb, x, p0, acc);
+  else if (Fmt == kQ6K)
+    tile_q6<R, C>(pb, x, p0, acc);
   else if (strip != nullptr)
     tile_strip<Fmt, R, C>(pb, x, xsum, p0, strip, acc);
   else if (Fmt == kI8)
@@ -479,7 +594,8 @@ void run(const Problem& pb, int num_threads) {
   }
   constexpr int R = kGemmRows[Fmt], C = kGemmPanels[Fmt];
   const int64_t blocks = (pb.M + R - 1) / R, strips = panels / C;
-  if (kStrip[Fmt] && blocks >= kStripRowBlocks && strips >= 2 * num_threads) {
+  const bool strip_fits = C * pb.K * 16 * static_cast<int64_t>(sizeof(float)) <= kStripMaxBytes;
+  if (kStrip[Fmt] && strip_fits && blocks >= kStripRowBlocks && strips >= 2 * num_threads) {
     // One item per panel group: unpack its weights once, then run every row block over them.
 #pragma omp parallel num_threads(num_threads)
     {
@@ -739,10 +855,29 @@ void run_act8(const Problem& pb, int num_threads) {
 // bit-identical builds.
 // A work item is a panel of 16 channels for a block of rows; a tile is R <= 6 rows (12
 // int32 sums, 2 weight vectors and a broadcast in 16 ymm registers; totals in memory).
+// K-quant weights (fmt 11: q4_k, 12: i8_k, 14: q6_k), the same scheme: x is quantized per row and
+// group of 32 (kAct16KGroup) whatever the weight's group; each weight group g (q4_k: 32
+// input channels, i8_k: 16) gets its exact integer sum and its own float steps, with the
+// d1 = fp32(d) * sc and min1 = -(fp32(dmin) * m) of the fp32 paths (group_scales: exact)
+// and dx of the activation group that holds it:
+//   acc = fma(float(isum[g]), d1[n, g] * dx[m, g * group / 32], acc)
+//   acc = fma(xsum[m, g], min1[n, g], acc)                 xsum: over g's k, as the fp32 path
+// i8_k's two weight groups in one activation group are two steps each, in k order: their
+// sums are never added in integers (isum * sc would need 33 bits) nor in floats before the
+// steps, so every operation is one of q4_1x16's, and the sums are exact (|q qx| <= 128 *
+// 32767, 16 or 32 of them < 2^31). Nibbles are q4_1's (the same int4 layout), i8_k's
+// bytes q8_0's; q6_k's q - 32 are decoded to int8 per k pair (q6_pair), then as i8_k's, with
+// no min step (its groups of 16 as i8_k's).
 
 struct Act16 {
   std::vector<int16_t> q;  // [M, K] qx
   std::vector<float> d;    // [M, groups] dx
+  int64_t group = 0, groups = 0;  // x's groups: the weight's (q4_1, q8_0) or 32 (K-quants)
+
+  // dx of the group of row m that holds weight group g (of pb.group input channels)
+  float dx(const Problem& pb, int64_t m, int64_t g) const {
+    return d[m * groups + g * pb.group / group];
+  }
 };
 
 // A group with a NaN or an infinity gets dx = NaN (and qx = 0), so that its outputs are NaN as
@@ -793,15 +928,19 @@ inline void quantize_group16(const float* x, int64_t n, float& d_out, int16_t* q
   }
 }
 
-inline void quantize_rows16(const Problem& pb, Act16& a, int num_threads) {
-  const int64_t M = pb.M, K = pb.K, G = pb.groups;
+// x's groups of `group` input channels (dividing K, and a multiple of the weight's group or
+// equal to it) quantized to int16.
+inline void quantize_rows16(const Problem& pb, int64_t group, Act16& a, int num_threads) {
+  const int64_t M = pb.M, K = pb.K, G = K / group;
+  a.group = group;
+  a.groups = G;
   a.q.resize(static_cast<size_t>(M * K));
   a.d.resize(static_cast<size_t>(M * G));
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M * K >= 32768)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g)
-      quantize_group16(pb.x + m * pb.x_stride + g * pb.group, pb.group, a.d[m * G + g],
-                       a.q.data() + m * K + g * pb.group);
+      quantize_group16(pb.x + m * pb.x_stride + g * group, group, a.d[m * G + g],
+                       a.q.data() + m * K + g * group);
 }
 
 // Weights (k, k + 1) of one panel's 16 channels as int16 pairs, for _mm256_madd_epi16:
@@ -809,11 +948,17 @@ inline void quantize_rows16(const Problem& pb, Act16& a, int num_threads) {
 template <int Fmt>
 inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo, __m256i& hi) {
   __m256i a, b;
-  if constexpr (Fmt == 3) {  // byte c of pair k / 2: q(c, k) low nibble, q(c, k + 1) high
+  if constexpr (is_4bit(Fmt)) {  // byte c of pair k / 2: q(c, k) low nibble, q(c, k + 1) high
     const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 2, k / 2);
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     a = _mm256_and_si256(v, _mm256_set1_epi16(15));
     b = _mm256_srli_epi16(v, 4);
+  } else if constexpr (Fmt == kQ6K) {
+    __m128i qa, qb;
+    q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
+            k, qa, qb);
+    a = _mm256_cvtepi8_epi16(qa);
+    b = _mm256_cvtepi8_epi16(qb);
   } else {
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
@@ -838,9 +983,15 @@ constexpr int64_t kGemvPrefetchBytes = 2048;
 // tile_vnni.
 template <int Fmt>
 inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
-  if constexpr (Fmt == kQ41) {
+  if constexpr (is_4bit(Fmt)) {
     __builtin_prefetch(static_cast<const char*>(pb.w) + at(p0, pb.K / 2, k / 2) +
                        kGemvPrefetchBytes);
+  } else if constexpr (Fmt == kQ6K) {  // a quad's three lines, once a quad
+    if (k % 4 == 0) {
+      const char* pw = static_cast<const char*>(pb.w) +
+                       at(p0, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines) + kGemvPrefetchBytes;
+      for (int i = 0; i < 3; ++i) __builtin_prefetch(pw + 64 * i);
+    }
   } else {
     const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) + kGemvPrefetchBytes / 2;
     __builtin_prefetch(pw);
@@ -887,19 +1038,31 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       }
     }
     for (int c = 0; c < C; ++c) {
-      const int64_t off = at(p0 + c, pb.groups, g);
-      const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
-      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
-      __m256 n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
-      if constexpr (Fmt == 3) {
-        const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
-        n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-        n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+      __m256 d0, d1, n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
+      if constexpr (has_supers(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
+        V16 d, mn;
+        group_scales<Fmt>(pb, p0 + c, g, d, mn);
+        alignas(64) float dm[2][16];
+        store(dm[0], d);
+        store(dm[1], mn);
+        d0 = _mm256_load_ps(dm[0]);
+        d1 = _mm256_load_ps(dm[0] + 8);
+        n0 = _mm256_load_ps(dm[1]);
+        n1 = _mm256_load_ps(dm[1] + 8);
+      } else {
+        const int64_t off = at(p0 + c, pb.groups, g);
+        const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+        d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
+        d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
+        if constexpr (has_min(Fmt)) {
+          const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+          n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+          n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const __m256 vdx = _mm256_set1_ps(a.d[m * pb.groups + g]);
+        const __m256 vdx = _mm256_set1_ps(a.dx(pb, m, g));
         __m256i i0 = s[r][c][0], i1 = s[r][c][1];  // a strip's sums: channels 0-7, 8-15
         if (strip == nullptr) {  // packed pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
           i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);
@@ -909,7 +1072,7 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
                                     _mm256_load_ps(tot[r][c]));
         __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx),
                                     _mm256_load_ps(tot[r][c] + 8));
-        if constexpr (Fmt == 3) {
+        if constexpr (has_min(Fmt)) {
           const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
           t0 = _mm256_fmadd_ps(vxs, n0, t0);
           t1 = _mm256_fmadd_ps(vxs, n1, t1);
@@ -1068,12 +1231,17 @@ inline bool use_gemv_q41_vnni(const Problem& pb) {
 template <int Fmt>
 __attribute__((target("avx512vnni"))) inline __m512i pair_weights_vnni(const Problem& pb,
                                                                        int64_t p, int64_t k) {
-  if constexpr (Fmt == kQ41) {  // byte c: q(c, k) low nibble, q(c, k + 1) high
+  if constexpr (is_4bit(Fmt)) {  // byte c: q(c, k) low nibble, q(c, k + 1) high
     const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 2, k / 2);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
     // bits 0-3: q(c, k), bits 16-19: q(c, k + 1)
     return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)),
                             _mm512_set1_epi32(0x000F000F));
+  } else if constexpr (Fmt == kQ6K) {
+    __m128i a, b;
+    q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
+            k, a, b);
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
   } else {  // rows k and k + 1 of the block, 64 bytes apart: interleave, then widen
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -1109,17 +1277,15 @@ __attribute__((target("avx512vnni"))) void tile_vnni(const Problem& pb, const Ac
       }
     }
     for (int c = 0; c < C; ++c) {  // tile16's float steps, lane for lane
-      const int64_t off = at(p0 + c, pb.groups, g);
-      const __m512 d = load_scale<Fmt>(pb.scale, off).v;
-      __m512 mn = _mm512_setzero_ps();
-      if constexpr (Fmt == kQ41) mn = load_scale<Fmt>(pb.minv, off).v;
+      V16 d, mn = zero();
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);  // q4_k, i8_k: d1 and min1, exact
       for (int r = 0; r < R; ++r) {
         const int64_t m = m0 + r;
-        const __m512 vdx = _mm512_set1_ps(a.d[m * pb.groups + g]);
-        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), _mm512_mul_ps(d, vdx),
+        const __m512 vdx = _mm512_set1_ps(a.dx(pb, m, g));
+        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][c]), _mm512_mul_ps(d.v, vdx),
                                    _mm512_load_ps(tot[r][c]));
-        if constexpr (Fmt == kQ41)
-          t = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[m * pb.groups + g]), mn, t);
+        if constexpr (has_min(Fmt))
+          t = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[m * pb.groups + g]), mn.v, t);
         _mm512_store_ps(tot[r][c], t);
       }
     }
@@ -1261,7 +1427,7 @@ constexpr int64_t kAct16HalfBlockRows = 4;
 template <int Fmt>
 void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
-  quantize_rows16(pb, a, num_threads);
+  quantize_rows16(pb, has_supers(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (Fmt == kQ41 && use_gemv_q41_vnni(pb)) {
     std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
@@ -1317,6 +1483,8 @@ const char* conveyor_qlinear_isa() { return kIsa; }
 // 32 for i8_k) dividing K, d and dmin given. True for every other format (which ignores them).
 inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_scale,
                            const void* sup_min, int64_t super_group) {
+  if (fmt == kQ6K)  // no min: sup_min ignored
+    return group == 16 && super_group == 256 && K % 256 == 0 && sup_scale != nullptr;
   if (!is_kquant(fmt)) return true;
   const bool sizes = fmt == kQ4K ? group == 32 && super_group == 256
                                  : group == 16 && (super_group == 256 || super_group == 32);
@@ -1331,15 +1499,21 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
 // 5 q4_1 and 6 q8_0 weights with int8 activations, 7 q4_1 and 8 q8_0 with int16 ones (above:
 // the same packed weights; K a multiple of the group, at most 256 for int16, else code 1);
 // 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
-// per super_group input channels). Other formats ignore sup_scale, sup_min, super_group.
+// per super_group input channels); 11 q4_k and 12 i8_k weights with int16 activations (per
+// group of 32); 13 q6_k (scale: sc, sup_scale: d, super_group 256, group 16), 14 q6_k with
+// int16 activations. Other formats ignore sup_scale, sup_min, super_group.
 int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                         int64_t N, int64_t Np, const void* w, const float* scale,
                         const float* minv, int64_t group, const void* sup_scale,
                         const void* sup_min, int64_t super_group, const float* bias, float* y,
                         int64_t y_stride, int num_threads) {
   const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
-  const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset;
-  if (act8 || act16) {
+  const bool act16_q6 = fmt == kQ6KAct16;
+  const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset || act16_q6;
+  const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset || act16_k;
+  if (act16_k) {
+    fmt = act16_q6 ? kQ6K : fmt - kAct16KOffset;  // K: a multiple of super_group (below)
+  } else if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;
   }
@@ -1358,15 +1532,18 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
       for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) s += x[m * x_stride + k];
       xsum[m * groups + g] = s;
     }
-  const int64_t supers = is_kquant(fmt) ? K / super_group : 0;
+  const int64_t supers = has_supers(fmt) ? K / super_group : 0;
   const Problem pb{x, x_stride, M, K, N, Np, w, scale, minv, group, groups, xsum.data(), bias,
                    y, y_stride, static_cast<const uint16_t*>(sup_scale),
                    static_cast<const uint16_t*>(sup_min), super_group, supers};
   if (act16) {
-    if (fmt == kQ41)
-      run_act16<kQ41>(pb, num_threads);
-    else
-      run_act16<kQ80>(pb, num_threads);
+    switch (fmt) {
+      case kQ41: run_act16<kQ41>(pb, num_threads); break;
+      case kQ4K: run_act16<kQ4K>(pb, num_threads); break;
+      case kI8K: run_act16<kI8K>(pb, num_threads); break;
+      case kQ6K: run_act16<kQ6K>(pb, num_threads); break;
+      default: run_act16<kQ80>(pb, num_threads); break;
+    }
     return 0;
   }
   if (act8) {
@@ -1383,12 +1560,13 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
     case kQ41: run<kQ41>(pb, num_threads); break;
     case kQ4K: run<kQ4K>(pb, num_threads); break;
     case kI8K: run<kI8K>(pb, num_threads); break;
+    case kQ6K: run<kQ6K>(pb, num_threads); break;
     default: run<kQ80>(pb, num_threads); break;
   }
   return 0;
 }
 
-// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 and 10 give 1).
+// conveyor_qlinear_ex for the formats without super-block scales (0-8; 9 to 13 give 1).
 int conveyor_qlinear(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K, int64_t N,
                      int64_t Np, const void* w, const float* scale, const float* minv,
                      int64_t group, const float* bias, float* y, int64_t y_stride,
@@ -1407,6 +1585,8 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
                          int num_threads) {
   if (fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset) fmt -= kAct8Offset;  // same weights
   if (fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset) fmt -= kAct16Offset;
+  if (fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset) fmt -= kAct16KOffset;
+  if (fmt == kQ6KAct16) fmt = kQ6K;
   if (!is_format(fmt) || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
       !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))
@@ -1420,13 +1600,14 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
   pb.sup_scale = static_cast<const uint16_t*>(sup_scale);
   pb.sup_min = static_cast<const uint16_t*>(sup_min);
   pb.super_group = super_group;
-  pb.supers = is_kquant(fmt) ? K / super_group : 0;
+  pb.supers = has_supers(fmt) ? K / super_group : 0;
   const int64_t pairs = (K + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     const int valid = static_cast<int>(std::min<int64_t>(16, N - p * 16));
     alignas(64) float lo_t[16], hi_t[16];
-    for (int64_t k = 0; k < K; k += (is_4bit(fmt) ? 2 : 1)) {
+    const bool two = is_4bit(fmt) || fmt == kQ6K;  // values come in k pairs
+    for (int64_t k = 0; k < K; k += (two ? 2 : 1)) {
       V16 lo, hi = zero();
       if (fmt == kF32) {
         lo = load(static_cast<const float*>(w) + at(p, K, k));
@@ -1439,6 +1620,16 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
         V16 d, m;
         group_scales<kI8K>(pb, p, k / group, d, m);
         lo = fma(load_i8(static_cast<const int8_t*>(w) + at(p, K, k)), d, m);
+      } else if (fmt == kQ6K) {
+        V16 d, m;
+        group_scales<kQ6K>(pb, p, k / group, d, m);
+        const uint8_t* wq = static_cast<const uint8_t*>(w);
+        __m128i q[4];
+        q6_quad(wq + at(p, K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64, q);
+        lo = i8_to_f(q[k % 4]);
+        hi = i8_to_f(q[k % 4 + 1]);
+        lo = mul(lo, d);  // (d sc) (q - 32): exact
+        hi = mul(hi, d);
       } else if (fmt == kQ4K) {
         V16 d, m;
         group_scales<kQ4K>(pb, p, k / group, d, m);
@@ -1460,7 +1651,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
       for (int c = 0; c < valid; ++c) {
         float* row = out + (p * 16 + c) * K;
         row[k] = lo_t[c];
-        if (is_4bit(fmt) && k + 1 < K) row[k + 1] = hi_t[c];
+        if (two && k + 1 < K) row[k + 1] = hi_t[c];
       }
     }
   }

@@ -1,6 +1,7 @@
-"""The fused decode forward over q4_k / i8_k layers (GGUF K-quant blocks): it passes their
+"""The fused decode forward over q4_k / i8_k / q6_k layers (GGUF K-quant blocks): it passes their
 super-block scales to the linear kernel, so a step's logits match the same model with the
-same weights as fp32 panels (up to fp32 rounding), on every build."""
+same weights as fp32 panels (up to fp32 rounding; with int16 activations, q4_kx16 / i8_kx16 /
+q6_kx16, up to their rounding), on every build."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from kernels import decode_forward_cpu as dfc
 from kernels import quant_linear_cpu as qlc
 from kernels.gguf_pack import pack_gguf
-from kernels.quant_pack import PackedWeight, pack_f32, unpack
+from kernels.quant_pack import PackedWeight, pack_f32, unpack, with_int16_activations
 from tests.kernels.test_gguf_pack import random_raw
 
 pytestmark = pytest.mark.skipif(not qlc.available_isas() or dfc.build_problem() is not None,
@@ -31,15 +32,19 @@ def _model(packed: dict[str, PackedWeight], isa: str, g: torch.Generator) -> dfc
 
 
 @pytest.mark.parametrize("isa", qlc.available_isas())
-def test_fused_step_over_k_formats_matches_fp32_panels(isa) -> None:
+@pytest.mark.parametrize("act16", [False, True])
+def test_fused_step_over_k_formats_matches_fp32_panels(isa, act16) -> None:
     parts = {"qkv": [("Q4_K", HEADS * D), ("Q4_K", KV_HEADS * D), ("Q6_K", KV_HEADS * D)],
              "o": [("Q4_K", H)], "gate_up": [("Q4_K", INTER), ("Q4_K", INTER)],
              "down": [("Q6_K", H)], "lm_head": [("Q6_K", VOCAB)]}
     k_of = {"o": HEADS * D, "down": INTER}
     packed = {name: pack_gguf([(t, random_raw(t, n, k_of.get(name, H), seed=i))
                                for i, (t, n) in enumerate(ps)]) for name, ps in parts.items()}
-    assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k"}
+    assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k", "q6_k"}
     dense = {name: pack_f32(unpack(p)) for name, p in packed.items()}
+    if act16:
+        packed = {name: with_int16_activations(p) for name, p in packed.items()}
+        assert {p.fmt for p in packed.values()} == {"q4_kx16", "i8_kx16", "q6_kx16"}
     step = (torch.tensor([3, 7]), torch.tensor([0, 0]), torch.tensor([0, 16]),
             torch.tensor([[0, 0], [1, 0]]), torch.tensor([1, 1]), torch.tensor([0, 1]))
     got = _model(packed, isa, torch.Generator().manual_seed(0))(*step)

@@ -65,6 +65,7 @@ def test_reordered_rows_stay_exact() -> None:
 
 def test_formats_of_mixes() -> None:
     assert gguf_format(("Q4_0",)) == "q4_1"
+    assert gguf_format(("Q6_K", "Q6_K")) == "q6_k" and gguf_format(("Q6_K", "Q4_K")) == "i8_k"
     assert gguf_format(("Q5_1",)) == "i8_k"
     assert gguf_format(("IQ2_XS",)) is None
     assert gguf_format(("F16", "Q8_0")) is None
@@ -87,9 +88,12 @@ def test_bad_input_raises_value_error() -> None:
         pack_gguf([("Q4_0", big)])
 
 
-def test_q4_k_and_i8_k_sizes() -> None:
+def test_q4_k_q6_k_and_i8_k_sizes() -> None:
     n, k = 64, 4096
     q4k = pack_gguf([("Q4_K", random_raw("Q4_K", n, k))])
     assert q4k.nbytes * 8 / (n * k) == 4.625
-    i8k = pack_gguf([("Q6_K", random_raw("Q6_K", n, k))])
-    assert i8k.nbytes * 8 / (n * k) == 9.125
+    q6k = pack_gguf([("Q6_K", random_raw("Q6_K", n, k))])  # the file's 210 bytes per 256
+    assert q6k.fmt == "q6_k" and q6k.nbytes * 8 / (n * k) == 6.5625 == 210 * 8 / 256
+    i8k = pack_gguf([("Q6_K", random_raw("Q6_K", n // 2, k)),
+                     ("Q4_K", random_raw("Q4_K", n // 2, k))])
+    assert i8k.fmt == "i8_k" and i8k.nbytes * 8 / (n * k) == 9.125

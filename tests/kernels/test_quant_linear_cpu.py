@@ -11,7 +11,8 @@ import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import (ACT8_FORMATS, ACT16_FORMATS, FORMATS, PackedWeight, pack_f32, pack_int4,
-                                pack_int8, pack_q4_1, pack_q4_1_blocks, pack_q8_0,
+                                pack_int8, pack_k_blocks, pack_q4_1, pack_q4_1_blocks,
+                                pack_q6_k_blocks, pack_q8_0,
                                 pack_q8_0_blocks, quant_linear_ref, quantize_activations,
                                 quantize_int4, unpack, with_int8_activations,
                                 with_int16_activations)
@@ -370,7 +371,8 @@ def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) ->
 
 K_MIXES = [("Q4_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K",), ("Q5_K", "Q2_K", "Q3_K"),
            ("Q4_K", "Q5_1", "Q8_0")]
-"""Parts of a fused weight: q4_k; i8_k over super-blocks of 256; i8_k over blocks of 32."""
+"""Parts of a fused weight: q4_k; i8_k over super-blocks of 256; q6_k; i8_k over super-blocks
+of 256; i8_k over blocks of 32."""
 K_ROWS = [1, 2, 7, 16, 64, 300]
 
 
@@ -385,10 +387,12 @@ def _k_packed(types: tuple[str, ...], n: int, k: int, bias: bool = True) -> Pack
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("types", K_MIXES)
-@pytest.mark.parametrize("n,k", [(70, 256), (33, 512), (130, 768)])
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 512), (130, 768), (260, 2048)])
 def test_k_formats_match_the_reference_at_every_row_count(isa, types, n, k) -> None:
+    """Every row count, including the many-row tiles with (K <= 1024) and without (K 2048: a
+    strip past kStripMaxBytes) a strip of unpacked weights: the same bits for a row."""
     packed = _k_packed(types, n, k, bias=n % 2 == 0)
-    assert packed.fmt == ("q4_k" if types == ("Q4_K",) else "i8_k")
+    assert packed.fmt == {("Q4_K",): "q4_k", ("Q6_K",): "q6_k"}.get(types, "i8_k")
     x = torch.randn(max(K_ROWS), k, generator=torch.Generator().manual_seed(2))
     y = qlc.quant_linear(x, packed, isa)
     ref = quant_linear_ref(x, packed)
@@ -430,5 +434,134 @@ def test_k_formats_refuse_bad_super_blocks(isa) -> None:
     for bad in (dataclasses.replace(packed, super_group=32),
                 dataclasses.replace(packed, super_min=None),
                 dataclasses.replace(packed, group=16)):
+        with pytest.raises(ValueError, match="rejected"):
+            qlc.quant_linear(x, bad, isa)
+
+
+# ---- K-quant weights times int16 activations (q4_kx16, i8_kx16) --------------------------
+
+K_ACT16_ROWS = ROWS + [2, 3, 4, 5, 6, 8, 9, 12, 13, 47, 48, 49, 97]
+"""Every tile, item and strip edge of the x16 kernels (see ACT_CASES)."""
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", K_MIXES)
+def test_k_act16_formats_match_their_reference_and_stay_near_fp32(isa, types) -> None:
+    """q4_k / i8_k / q6_k weights times x rounded to int16 per row and group of 32 (groups of
+    16 each with its own float steps, the scale of the 32 that holds them): as the float64
+    reference over the same integers, within 1e-4 of the fp32-activation product, the same
+    bits for a row in every call, on every build, and at any thread count."""
+    base = _k_packed(types, 130, 512, bias=len(types) > 1)
+    packed = with_int16_activations(base)
+    assert packed.fmt == base.fmt + "x16" and packed.data is base.data
+    x = torch.randn(max(ROWS), 512, generator=torch.Generator().manual_seed(5))
+    x[3, 7] = 60.0  # an outlier channel in one group of one row
+    y = qlc.quant_linear(x, packed, isa)
+    ref = quant_linear_ref(x, packed)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    exact = quant_linear_ref(x, base)
+    assert float((y - exact).norm() / exact.norm()) < 1e-4
+    for rows in K_ACT16_ROWS:
+        assert torch.equal(qlc.quant_linear(x[:rows], packed, isa), y[:rows])
+        for other in qlc.available_isas():  # VNNI tiles against AVX2's vpmaddwd ones
+            assert torch.equal(qlc.quant_linear(x[:rows], packed, other), y[:rows])
+    perm = torch.randperm(max(ROWS), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(qlc.quant_linear(x[perm], packed, isa), y[perm])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qlc.quant_linear(x[:64], packed, isa), y[:64])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(qlc.dequantize(packed, isa), unpack(base))  # the K-quant's weights
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q6_K", "Q4_K"), ("Q6_K",)])
+def test_k_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, types) -> None:
+    packed = with_int16_activations(_k_packed(types, 64, 256))
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(6))
+    clean = qlc.quant_linear(x, packed, isa)
+    x[2, 5], x[5, 40] = float("nan"), float("inf")
+    y = qlc.quant_linear(x, packed, isa)
+    assert bool(y[2].isnan().all()) and not bool(y[5].isfinite().any())
+    keep = [0, 1, 3, 4, 6, 7]
+    assert torch.equal(y[keep], clean[keep])
+    assert torch.equal(qlc.quant_linear(x[3:4], packed, isa), y[3:4])  # one-row calls alike
+    assert bool(qlc.quant_linear(x[2:3], packed, isa).isnan().all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_k_act16_refuses_bad_super_blocks(isa) -> None:
+    packed = with_int16_activations(_k_packed(("Q4_K",), 16, 256))
+    x = torch.randn(2, 256)
+    for bad in (dataclasses.replace(packed, super_group=32),
+                dataclasses.replace(packed, super_min=None),
+                dataclasses.replace(packed, group=16)):
+        with pytest.raises(ValueError, match="rejected"):
+            qlc.quant_linear(x, bad, isa)
+    with pytest.raises(ValueError, match="i8_k and q6_k"):
+        with_int16_activations(pack_int8(*_data(64, 64, 1)[:2]))
+
+
+# ---- q6_k: layers all in Q6_K, 6.5625 bits a weight ------------------------------------
+
+def _q6_k_and_i8_k(n: int, k: int, bias: bool) -> tuple[PackedWeight, PackedWeight]:
+    """The same Q6_K blocks as q6_k (pack_gguf) and as i8_k (their K-quant form, mins 0)."""
+    from kernels.gguf_pack import _blocks, pack_gguf
+    from tests.kernels.test_gguf_pack import random_raw
+
+    raw = random_raw("Q6_K", n, k, seed=n)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n)) if bias else None
+    q6 = pack_gguf([("Q6_K", raw)], b)
+    f = _blocks("Q6_K", raw)
+    i8 = pack_k_blocks("i8_k", f.q.to(torch.int8), f.sc.to(torch.int8), f.m.to(torch.int8),
+                       f.d, f.dmin, b)
+    return q6, i8
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n,k", [(70, 256), (130, 768), (64, 4096)])
+def test_q6_k_gives_i8_k_bits_over_the_same_blocks(isa, n, k) -> None:
+    """q6_k's product is i8_k's operations over the same Q6_K blocks (their mins are 0: the
+    same values), so the same bits, at every row count (one-row streams, 6 x 2 / 6 x 1 tiles
+    and their edges), on every build and thread count; it dequantizes to the file's values."""
+    q6, i8 = _q6_k_and_i8_k(n, k, bias=n % 2 == 0)
+    assert q6.fmt == "q6_k" and q6.minv is None and q6.super_min is None
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
+    y = qlc.quant_linear(x, q6, isa)
+    torch.testing.assert_close(y, quant_linear_ref(x, q6), rtol=1e-4,
+                               atol=1e-4 * float(y.abs().max()))
+    assert torch.equal(y, qlc.quant_linear(x, i8, isa))
+    for rows in (1, 2, 5, 6, 7, 13, 64):
+        assert torch.equal(qlc.quant_linear(x[:rows], q6, isa), y[:rows])
+        for other in qlc.available_isas():
+            assert torch.equal(qlc.quant_linear(x[:rows], q6, other), y[:rows])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qlc.quant_linear(x[:16], q6, isa), y[:16])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(qlc.dequantize(q6, isa), unpack(q6))
+    assert torch.equal(unpack(q6), unpack(i8))
+
+
+def test_q6_k_packer_rejects_bad_blocks() -> None:
+    q = torch.randint(0, 64, (4, 256), dtype=torch.uint8)
+    sc, d = torch.zeros(4, 16, dtype=torch.int8), torch.ones(4, 1, dtype=torch.float16)
+    assert pack_q6_k_blocks(q, sc, d).nbytes * 8 / (64 * 256) == 6.5625  # 4 rows padded to 64
+    for bad in ((q[:, :128], sc[:, :8], d), (q | 64, sc, d), (q, sc.to(torch.uint8), d),
+                (q, sc, d.float()), (q, sc, torch.full((4, 1), float("inf")).half())):
+        with pytest.raises(ValueError, match="q6_k"):
+            pack_q6_k_blocks(*bad)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q6_k_refuses_bad_super_blocks(isa) -> None:
+    q6, _ = _q6_k_and_i8_k(16, 256, bias=False)
+    x = torch.randn(2, 256)
+    for bad in (dataclasses.replace(q6, super_group=32), dataclasses.replace(q6, super_scale=None),
+                dataclasses.replace(q6, group=32)):
         with pytest.raises(ValueError, match="rejected"):
             qlc.quant_linear(x, bad, isa)

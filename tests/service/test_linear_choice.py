@@ -407,7 +407,8 @@ def _k_layer(types: tuple[str, ...], n: int, k: int):
     return _RawBlocks(types, raw), torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raw)])
 
 
-@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q4_K", "Q4_K", "Q6_K"), "i8_k")])
+@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q4_K", "Q4_K", "Q6_K"), "i8_k"),
+                                        (("Q6_K",), "q6_k")])
 def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     blocks, w = _k_layer(types, 64, 256)
     assert blocks.fmt == fmt
@@ -417,7 +418,10 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     path = f"cpp-{fmt}-avx2"
     assert PATHS[path].mode == "auto" and PATHS[path].accepts(lw)
     assert not PATHS["bf16"].accepts(lw) and not PATHS["cpp-q4_1-avx2"].accepts(lw)
-    assert f"{fmt}-dequant-mm" in PATHS and f"cpp-{fmt}x16-avx2" not in PATHS
+    assert f"{fmt}-dequant-mm" in PATHS
+    x16 = PATHS[f"cpp-{fmt}x16-avx2"]  # int16 activations: auto's, not --batch-invariant's
+    assert x16.native == fmt and x16.activation_bits == 16 and x16.bound("auto") == 1e-3
+    assert x16 in candidates("auto", False) and x16 not in candidates("auto", True)
     if PATHS[path].problem() is not None:
         return
     layers = {"qkv": (w, None)}
@@ -430,3 +434,8 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     assert plan.choices["qkv"][0] == path and plan.errors["qkv"][path][0] < 1e-6
     lin = PATHS[path].bind(lw)
     assert lin.packed.fmt == fmt and torch.equal(unpack(lin.packed), w)
+    lin16 = x16.bind(lw)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    want = x.double() @ w.double().t()
+    assert lin16.packed.fmt == f"{fmt}x16" and lin16.packed.data is lin.packed.data
+    assert float((lin16(x).double() - want).norm() / want.norm()) < 1e-4

@@ -210,7 +210,9 @@ def test_clones_compute_the_same_on_other_memory() -> None:
               "q8_0": BlockWeight(("Q8_0",), "q8_0", q.to(torch.int8) - 8,
                                   torch.rand(64, 1).half(), None),
               "q4_k": RawBlocks(("Q4_K",), (random_raw("Q4_K", 64, 256).numpy(),), 256),
-              "i8_k": RawBlocks(("Q6_K",), (random_raw("Q6_K", 64, 256).numpy(),), 256)}
+              "i8_k": RawBlocks(("Q4_K", "Q6_K"), (random_raw("Q4_K", 32, 256).numpy(),
+                                                    random_raw("Q6_K", 32, 256).numpy()), 256),
+              "q6_k": RawBlocks(("Q6_K",), (random_raw("Q6_K", 64, 256).numpy(),), 256)}
     for name, path in PATHS.items():
         if path.problem() is not None:
             continue

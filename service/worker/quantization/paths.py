@@ -11,10 +11,10 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
-| ``cpp-{q4_k,i8_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; any K-quant mix in 8 bits), ours | fp32 | yes |
+| ``cpp-{q4_k,i8_k,q6_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; any K-quant mix in 8 bits; Q6_K), ours | fp32 | yes |
 | ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
-| ``cpp-{q4_1,q8_0}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
-| ``{int8,int4,q4_1,q8_0,q4_k,i8_k}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``cpp-{q4_1,q8_0,q4_k,i8_k,q6_k}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
+| ``{int8,int4,q4_1,q8_0,q4_k,i8_k,q6_k}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
@@ -22,7 +22,8 @@ here), ``auto-a8`` (auto's candidates plus the ``x8`` paths: the checkpoint's ow
 times int8 activations, llama.cpp's CPU numerics; faster, not exact), and ``auto`` (the
 default): the checkpoint's own weights, never re-quantized, never int8 activations: a
 GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0 paths, one in Q4_K the q4_k
-paths, one in other K-quants (or a mix: Q4_K_M's qkv with a Q6_K attn_v) the i8_k paths,
+paths, one all in Q6_K the q6_k paths, one in other K-quants (or a mix: Q4_K_M's qkv with a
+Q6_K attn_v) the i8_k paths,
 over its own blocks (``service.worker.gguf_weights``, ``kernels.gguf_pack``: the format is
 ``native.fmt``) beside ``fp32`` and ``cpp-f32``
 over the same weights dequantized; any other layer ``fp32`` / ``cpp-f32`` / ``bf16``.
@@ -95,7 +96,7 @@ is int8 mode's. On SmolLM2-135M (docs/perf/HISTORY.md, 2026-12-01 accuracy repor
 activations on every layer cost teacher-forced top-1 agreement 93.9% and perplexity +1.5%
 (the LM head alone 98.2%), so they serve only --quantization auto-a8, never the default."""
 ACT16_ERROR_BOUND = 1e-3
-"""int16 activations per row and group of 32 (the ``cpp-{q4_1,q8_0}x16-*`` paths): each x is
+"""int16 activations per row and group of 32 (the ``cpp-{native}x16-*`` paths): each x is
 rounded against its group's largest |x| with 2^-16 of it at most; measured 2e-5 - 5e-5
 relative error (norm) against the weights' fp32 product on random rows with an outlier
 token (AVX2 Zen 3), 20 times below this bound, which is 20 times below bf16's."""
@@ -206,7 +207,7 @@ class LayerWeights:
 
     @property
     def native_fmt(self) -> str | None:
-        """"q4_1", "q8_0", "q4_k", "i8_k" or None (no native blocks)."""
+        """"q4_1", "q8_0", "q4_k", "i8_k", "q6_k" or None (no native blocks)."""
         return None if self.native is None else self.native.fmt
 
     @functools.cached_property
@@ -235,9 +236,9 @@ class LinearPath:
     "int4", "auto"; ``candidates`` says which modes offer it). row_invariant: a row's output
     never depends on the other rows of the call. quantizes_activations: needs SmoothQuant'd
     weights. bind: builds the callable. problem: why the path cannot run here (None when it
-    can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0", "q4_k", "i8_k"; it serves
-    only layers that have them), or None (any layer). min_rows: offered for calls of at
-    least this many rows. error_bound: its own relative error bound (None: the mode's).
+    can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0", "q4_k",
+    "i8_k", "q6_k"; it serves only layers that have them), or None (any layer). min_rows:
+    offered for calls of at least this many rows. error_bound: its own relative error bound (None: the mode's).
     activation_bits: what x is rounded to before the product (32: fp32, as given).
     rounds_native: whether it may serve a layer that has a checkpoint's own blocks (False:
     bf16, which would round the file's weights instead of serving them as they are).
@@ -294,11 +295,13 @@ def _dequant_problem() -> str | None:
 
 _PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
            "q4_1": "packed_native", "q8_0": "packed_native", "q4_k": "packed_native",
-           "i8_k": "packed_native"}
-_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k")
+           "i8_k": "packed_native", "q6_k": "packed_native"}
+_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k", "q6_k")
 """Formats of a checkpoint's own blocks (``native.fmt``) that have paths."""
 _ACT_NATIVE = ("q4_1", "q8_0")
-"""Those with int8 / int16 activation variants (x8, x16)."""
+"""Those with int8 activation variants (x8)."""
+_ACT16_NATIVE = _NATIVE
+"""Those with int16 activation variants (x16): all."""
 
 
 def _cpp_act8(fmt: str, isa: str) -> LinearPath:
@@ -313,9 +316,10 @@ def _cpp_act8(fmt: str, isa: str) -> LinearPath:
 
 
 def _cpp_act16(fmt: str, isa: str) -> LinearPath:
-    """Our kernel over the checkpoint's own q4_1 / q8_0 blocks with x quantized to int16 per
-    row and group of 32 (``quantize_activations(..., levels=32767)``), multiplied with
-    ``vpmaddwd``: the same weights, under ACT16_ERROR_BOUND. Offered in auto and auto-a8."""
+    """Our kernel over the checkpoint's own q4_1 / q8_0 / q4_k / i8_k / q6_k blocks with x quantized
+    to int16 per row and group of 32 (``quantize_activations(..., levels=32767)``),
+    multiplied with ``vpmaddwd`` / ``vpdpwssd``: the same weights, under ACT16_ERROR_BOUND.
+    Offered in auto and auto-a8."""
     return LinearPath(f"cpp-{fmt}x16-{isa}", "auto", True, False,
                       lambda lw: CppLinear(with_int16_activations(lw.packed_native), isa),
                       _isa_problem(isa), native=fmt, error_bound=ACT16_ERROR_BOUND,
@@ -357,8 +361,10 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("q4_k"),
     *[_cpp("i8_k", isa) for isa in qlc.VARIANTS],
     _dequant("i8_k"),
+    *[_cpp("q6_k", isa) for isa in qlc.VARIANTS],
+    _dequant("q6_k"),
     *[_cpp_act8(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
-    *[_cpp_act16(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
+    *[_cpp_act16(fmt, isa) for fmt in _ACT16_NATIVE for isa in qlc.VARIANTS],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
                lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND,
                rounds_native=False),
@@ -372,7 +378,7 @@ def candidates(mode: str, batch_invariant: bool) -> list[LinearPath]:
 
     int8 mode keeps ``fp32`` among its candidates: --quantization int8 is never slower
     than fp32. auto: every weight-only path over the checkpoint's own weights (``fp32``,
-    ``cpp-f32-*``, the native q4_1 / q8_0 / q4_k / i8_k paths; each layer takes those that
+    ``cpp-f32-*``, the native q4_1 / q8_0 / q4_k / i8_k / q6_k paths; each layer takes those that
     accept it),
     the int16-activation ``x16`` paths over those blocks, and bf16 for layers without blocks;
     never int8 activations. int8 and int4 offer bf16 too; none never.
