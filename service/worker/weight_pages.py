@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import torch
+
 from kernels.quant_pack import PackedWeight
 from service.worker.huge_pages import slots_on_huge_pages
 from service.worker.quantization.paths import CppLinear
@@ -35,34 +37,45 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     freed unless something else holds them. Many-row buckets are compute-bound and keep
     their pages (the fp32 copies some take would add 0.6 GB to the move). Call it before
     anything keeps the weights' addresses (the fused forward does). Returns the bytes moved
-    (0 where no such path runs on a C++ kernel). Weights move one at a time, each freed once
-    copied, so memory grows by one weight at most."""
+    (0 where no such path runs on a C++ kernel). Tensors move one at a time, each freed once
+    copied (every path reading it switched to the copy), so memory grows by one tensor at
+    most."""
     buckets = range(bucket_index(max_rows) + 1)
-    paths: dict[int, CppLinear] = {}  # by id: buckets that share a path share the object
-    for lin in model.linears():
-        fns = [lin.fns[b] for b in buckets] if isinstance(lin, DispatchLinear) else [lin]
-        for fn in fns:
-            if isinstance(fn, CppLinear):
-                paths.setdefault(id(fn), fn)
-    weights: dict[int, PackedWeight] = {}
-    users: dict[int, list[CppLinear]] = {}
-    for fn in paths.values():
-        weights.setdefault(id(fn.packed), fn.packed)
-        users.setdefault(id(fn.packed), []).append(fn)
     fields = [f.name for f in dataclasses.fields(PackedWeight)
               if f.type in ("torch.Tensor | None", "torch.Tensor")]
-    slots = iter(slots_on_huge_pages([getattr(w, f) for w in weights.values() for f in fields
-                                      if getattr(w, f) is not None]))
+    decode: dict[int, CppLinear] = {}  # by id: buckets that share a path share the object
+    every: dict[int, CppLinear] = {}
+    for lin in model.linears():
+        fns = lin.fns if isinstance(lin, DispatchLinear) else [lin]
+        for b, fn in enumerate(fns):
+            if isinstance(fn, CppLinear):
+                every.setdefault(id(fn), fn)
+                if not isinstance(lin, DispatchLinear) or b in buckets:
+                    decode.setdefault(id(fn), fn)
+    # A tensor moves once, however many paths read it (q4_k's and q4_kx16's packed weights
+    # share theirs), and every path that reads it, many-row buckets included, then reads the
+    # copy: one copy of each weight, never two.
+    tensors: dict[int, torch.Tensor] = {}
+    for fn in decode.values():
+        for f in fields:
+            t = getattr(fn.packed, f)
+            if t is not None:
+                tensors.setdefault(id(t), t)
+    readers: dict[int, list[tuple[CppLinear, str]]] = {k: [] for k in tensors}
+    for fn in every.values():
+        for f in fields:
+            t = getattr(fn.packed, f)
+            if t is not None and id(t) in readers:
+                readers[id(t)].append((fn, f))
+    slots = slots_on_huge_pages(list(tensors.values()))
     moved = 0
-    # one weight at a time: copied, then its old tensors freed (nothing else holds them),
-    # so the move needs the arena and one weight beside it, not two copies of every weight
-    for key in list(weights):
-        w = weights.pop(key)
-        copies = {f: next(slots).copy_(getattr(w, f)) for f in fields
-                  if getattr(w, f) is not None}
-        moved += sum(t.numel() * t.element_size() for t in copies.values())
-        new = dataclasses.replace(w, **copies)
-        for fn in users.pop(key):
-            fn.packed = new
-        del w, new, copies
+    # one tensor at a time: copied, then every reader switched to the copy, so the old one
+    # is freed (nothing else holds it) and memory grows by one tensor at most
+    for key, slot in zip(list(tensors), slots):
+        old = tensors.pop(key)
+        slot.copy_(old)
+        moved += slot.numel() * slot.element_size()
+        for fn, f in readers.pop(key):
+            fn.packed = dataclasses.replace(fn.packed, **{f: slot})
+        del old
     return moved
