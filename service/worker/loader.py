@@ -170,11 +170,12 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
             weights = {k: v.detach() for k, v in hf.state_dict().items()}
             linear = embedding = None
             generation_eos = getattr(hf.generation_config, "eos_token_id", None)
-    if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
-    inv_freq = rotary.inv_freq.detach().float().clone()
-    if "gguf_file" in kw and getattr(rotary, "rope_type", "default") == "default":
-        inv_freq = gguf_rope_factors(path, inv_freq)
+        if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3",
+                                                           "yarn"):
+            raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
+        inv_freq = rotary.inv_freq.detach().float().clone()
+        if "gguf_file" in kw and getattr(rotary, "rope_type", "default") == "default":
+            inv_freq = gguf_rope_factors(path, inv_freq)  # the file parsed once (above)
     eos: set[int] = set()
     for src in (config.eos_token_id, generation_eos, tokenizer.eos_token_id):
         if isinstance(src, int):
