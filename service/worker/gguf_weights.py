@@ -28,8 +28,6 @@ named in one log line.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -42,6 +40,7 @@ import torch
 from kernels.quant_pack import PackedWeight, pack_q4_1_blocks, pack_q8_0_blocks
 from kernels.gguf_pack import gguf_format, pack_gguf
 from service.worker.gguf_file import GGUFFile
+from service.worker.huge_pages import release_pages
 
 if TYPE_CHECKING:
     from service.worker.loader import LoadedModel
@@ -135,26 +134,6 @@ def served_format(gguf_types: Sequence[str]) -> str | None:
     holds exactly)."""
     fmt = gguf_format(gguf_types)
     return None if fmt == "f32" else fmt
-
-
-_PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def release_pages(array: np.ndarray) -> None:
-    """Drop the pages behind a view of a memory-mapped file from this process's resident set
-    (``madvise(MADV_DONTNEED)``; they stay in the page cache and are read again if touched).
-    A no-op for an array that is not file-backed. Pages at the range's ends that it shares
-    with neighbours are dropped too: harmless, a later read brings them back."""
-    base = array
-    while not isinstance(base, np.memmap) and isinstance(base, np.ndarray) \
-            and base.base is not None:
-        base = base.base
-    if not isinstance(base, np.memmap) or array.nbytes == 0:
-        return
-    start = array.ctypes.data // _PAGE * _PAGE
-    end = array.ctypes.data + array.nbytes
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 @dataclass(frozen=True, eq=False)

@@ -21,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,26 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
         return False
     return True
+
+
+MADV_DONTNEED = 4
+"""madvise: drop the range's pages from the resident set (file-backed ones are read again)."""
+
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the pages behind a view of a memory-mapped file from this process's resident set
+    (``madvise(MADV_DONTNEED)``; they stay in the page cache and are read again if touched).
+    A no-op for an array that is not file-backed, or off Linux. Pages at the range's ends
+    that it shares with neighbours are dropped too: harmless, a later read brings them back."""
+    base = array
+    while not isinstance(base, np.memmap) and isinstance(base, np.ndarray) \
+            and base.base is not None:
+        base = base.base
+    if sys.platform != "linux" or not isinstance(base, np.memmap) or array.nbytes == 0:
+        return
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    _madvise()(start, array.ctypes.data + array.nbytes - start, MADV_DONTNEED)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
