@@ -97,3 +97,53 @@ def test_q4_k_q6_k_and_i8_k_sizes() -> None:
     i8k = pack_gguf([("Q6_K", random_raw("Q6_K", n // 2, k)),
                      ("Q4_K", random_raw("Q4_K", n // 2, k))])
     assert i8k.fmt == "i8_k" and i8k.nbytes * 8 / (n * k) == 9.125
+
+
+MIXES = [(t,) for t in FP16_AT] + [
+    ("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q2_K", "Q3_K"), ("Q4_0", "Q4_1"), ("Q8_0", "Q5_0"),
+    ("Q4_K", "Q5_1", "Q8_0", "Q4_0"), ("Q6_K", "Q4_K")]
+
+
+def _same_tensors(a, b) -> None:
+    for f in ("fmt", "out_features", "in_features", "group", "super_group"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("data", "scale", "minv", "bias", "super_scale", "super_min"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None), f
+        if x is not None:
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), f
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f  # bits, NaN too
+
+
+@pytest.mark.parametrize("types", MIXES, ids="+".join)
+def test_native_packer_writes_the_numpy_paths_bits(types) -> None:
+    from kernels.gguf_pack_cpu import build_problem
+
+    if build_problem() is not None:
+        pytest.skip(f"the C++ packer does not build here: {build_problem()}")
+    # parts of 17, 37, 57 .. rows: part and panel boundaries (64 rows) fall anywhere
+    raws = [random_raw(t, 17 + 20 * i, 512, seed=i) for i, t in enumerate(types)]
+    bias = torch.randn(sum(r.shape[0] for r in raws)) if len(types) % 2 else None
+    native = pack_gguf(list(zip(types, raws)), bias)
+    _same_tensors(native, pack_gguf(list(zip(types, raws)), bias, native=False))
+    want = torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raws)])
+    assert torch.equal(unpack(native), want)
+
+
+def test_native_packer_refuses_what_the_numpy_path_refuses() -> None:
+    from kernels.gguf_pack_cpu import build_problem, pack_blocks
+
+    if build_problem() is not None:
+        pytest.skip(f"the C++ packer does not build here: {build_problem()}")
+    big = random_raw("Q4_0", 2, 64)
+    big[1, 18:20] = torch.from_numpy(np.full(1, 30000, np.float16).view(np.uint8))
+    for native in (True, False):
+        with pytest.raises(ValueError, match="beyond fp16"):
+            pack_gguf([("Q4_0", big)], native=native)
+    raw = random_raw("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="cannot be packed as q6_k"):
+        pack_blocks([("Q4_K", raw)], "q6_k", 256, 256, None)
+    with pytest.raises(ValueError, match="cannot be packed"):
+        pack_blocks([("Q4_K", raw)], "q4_k", 512, 256, None)  # the rows hold 256 weights
+    with pytest.raises(ValueError, match="fmt must be"):
+        pack_blocks([("Q4_K", raw)], "int4", 256, 256, None)
