@@ -40,7 +40,7 @@ import torch
 from kernels.quant_pack import PackedWeight, pack_q4_1_blocks, pack_q8_0_blocks
 from kernels.gguf_pack import gguf_format, pack_gguf
 from service.worker.gguf_file import GGUFFile
-from service.worker.huge_pages import release_pages
+from service.worker.huge_pages import empty_on_huge_pages, release_pages
 
 if TYPE_CHECKING:
     from service.worker.loader import LoadedModel
@@ -183,14 +183,29 @@ class RawBlocks:
 
     def pack(self, bias: torch.Tensor | None = None) -> PackedWeight:
         """The packed weight for our kernels (``kernels.gguf_pack.pack_gguf``), equal to
-        ``dequantize()`` bit for bit. Raises ValueError where ``fmt`` is None."""
+        ``dequantize()`` bit for bit, written straight into a huge-page arena (the decode
+        weights' pages, ``service.worker.weight_pages``; no move afterwards). Raises
+        ValueError where ``fmt`` is None."""
         if self.fmt is None:
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
         with warnings.catch_warnings():  # read-only file views, only read by pack_gguf
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             parts = [(t, torch.from_numpy(np.ascontiguousarray(r)))
                      for t, r in zip(self.gguf_types, self.raw)]
-        return pack_gguf(parts, bias)
+        return pack_gguf(parts, bias, allocate=empty_on_huge_pages)
+
+    def head_rows(self, rows: int) -> tuple[RawBlocks, torch.Tensor]:
+        """(the first `rows` rows of each part, as one weight; their row indices in this
+        weight [<= rows * parts] int64): a sample that holds every part's type, for the
+        kernel choice's correctness check (the whole layer there cost 1.7 GB of fp32 at the
+        8B shape). Views, no copy."""
+        heads, index, start = [], [], 0
+        for r in self.raw:
+            m = min(rows, r.shape[0])
+            heads.append(r[:m])
+            index.append(torch.arange(start, start + m))
+            start += r.shape[0]
+        return RawBlocks(self.gguf_types, tuple(heads), self.in_features), torch.cat(index)
 
     def release(self) -> None:
         """Drop the file's pages behind it from the resident set (``release_pages``)."""

@@ -21,8 +21,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -94,22 +96,44 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return t.zero_()
 
 
-def slots_on_huge_pages(like: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
-    """Empty tensors shaped as `like` (same dtype and shape, contiguous, not yet written:
-    no memory is touched) carved out of one buffer whose memory is advised to huge pages:
-    an arena, so that many small tensors share 2 MiB pages instead of each taking (or
-    missing) its own. Each starts at a multiple of `align` bytes."""
-    sizes = [t.numel() * t.element_size() for t in like]
+_ARENAS: dict[int, int] = {}
+"""Storage address -> its bytes, of each arena advised here. An entry outlives its arena: a
+later allocation of the same address and size would be taken for one, which costs that
+memory its move to huge pages (advice), nothing else; a few ints a packed layer."""
+
+
+def empty_on_huge_pages(specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                        align: int = 64) -> list[torch.Tensor]:
+    """Empty contiguous tensors of these (shape, dtype), not yet written (no memory is
+    touched), carved out of one buffer whose memory is advised to huge pages: an arena, so
+    that many small tensors share 2 MiB pages instead of each taking (or missing) its own.
+    Each starts at a multiple of `align` bytes; ``on_huge_pages`` knows them."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+             for shape, dtype in specs]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += -(-n // align) * align
-    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # slack to start on a 2 MiB page
-    skip = (-arena.data_ptr()) % HUGE_PAGE
-    arena = arena[skip:skip + total]
-    advise_huge_pages(arena)
-    return [arena[off:off + n].view(t.dtype).view(t.shape)
-            for t, off, n in zip(like, offsets, sizes)]
+    root = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # slack to start on a 2 MiB page
+    skip = (-root.data_ptr()) % HUGE_PAGE
+    arena = root[skip:skip + total]
+    if advise_huge_pages(arena):
+        storage = root.untyped_storage()
+        _ARENAS[storage.data_ptr()] = storage.nbytes()
+    return [arena[off:off + n].view(dtype).view(shape)
+            for (shape, dtype), off, n in zip(specs, offsets, sizes)]
+
+
+def on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether `t` lives in an arena of ``empty_on_huge_pages`` whose advice was taken."""
+    storage = t.untyped_storage()
+    return _ARENAS.get(storage.data_ptr()) == storage.nbytes()
+
+
+def slots_on_huge_pages(like: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Empty tensors shaped as `like` (same dtype and shape) in one huge-page arena
+    (``empty_on_huge_pages``)."""
+    return empty_on_huge_pages([(tuple(t.shape), t.dtype) for t in like], align)
 
 
 def copies_on_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.quant_pack import PackedWeight
-from service.worker.huge_pages import slots_on_huge_pages
+from service.worker.huge_pages import on_huge_pages, slots_on_huge_pages
 from service.worker.quantization.paths import CppLinear
 from service.worker.quantization.plan import DispatchLinear, bucket_index
 
@@ -59,7 +59,7 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     for fn in decode.values():
         for f in fields:
             t = getattr(fn.packed, f)
-            if t is not None:
+            if t is not None and not on_huge_pages(t):  # packed there already: stays
                 tensors.setdefault(id(t), t)
     readers: dict[int, list[tuple[CppLinear, str]]] = {k: [] for k in tensors}
     for fn in every.values():

@@ -67,3 +67,28 @@ def test_copies_share_one_arena_and_keep_their_values() -> None:
         assert c.untyped_storage().data_ptr() == storage and c.data_ptr() % 64 == 0
     copies[1].zero_()
     assert originals[1].abs().sum() > 0  # copies, not views of the originals
+
+
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or absent here")
+def test_an_arena_is_known_while_it_lives() -> None:
+    specs = [((3, 1 << 20), torch.uint8), ((5,), torch.float16), ((2, 4, 64), torch.int8)]
+    slots = huge_pages.empty_on_huge_pages(specs)
+    assert [(tuple(t.shape), t.dtype) for t in slots] == [(s, d) for s, d in specs]
+    assert all(huge_pages.on_huge_pages(t) and t.is_contiguous() and t.data_ptr() % 64 == 0
+               for t in slots)
+    assert not huge_pages.on_huge_pages(torch.empty(1 << 22, dtype=torch.uint8))
+
+
+def test_packed_blocks_are_written_on_huge_pages() -> None:
+    from kernels.gguf_pack_cpu import build_problem
+    from service.worker.gguf_weights import RawBlocks
+    from tests.kernels.test_gguf_pack import random_raw
+
+    if build_problem() is not None or _thp_mode() not in ("always", "madvise"):
+        pytest.skip("no C++ packer or no transparent huge pages here")
+    blocks = RawBlocks(("Q4_K",), (random_raw("Q4_K", 1024, 4096).numpy(),), 4096)
+    packed = blocks.pack(torch.randn(1024))
+    for t in (packed.data, packed.scale, packed.minv, packed.super_scale, packed.super_min,
+              packed.bias):
+        assert huge_pages.on_huge_pages(t)
