@@ -155,16 +155,16 @@ class LlamaModel:
 
     def linear_weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Per linear shape class ("qkv", "o", "gate_up", "down", "lm_head"): the first
-        layer's dense weight [N, K] (dequantized from its blocks where the model holds only
-        those) and bias [N] or None (what kernel choice times)."""
+        layer's dense weight [N, K], or None where the model holds only its blocks (the
+        choice reads those), and bias [N] or None (what kernel choice times)."""
         first = self.layers[0]
         out = {n: getattr(first, n) for n in ("qkv", "o", "gate_up", "down")}
         out["lm_head"] = self.lm_head
         for n, lin in out.items():
             if not isinstance(lin, (DenseLinear, PendingLinear)):
                 raise ValueError(f"{n} is already quantized")
-        return {n: (lin.weight if isinstance(lin, DenseLinear) else lin.blocks.dequantize(),
-                    lin.bias) for n, lin in out.items()}
+        return {n: (lin.weight if isinstance(lin, DenseLinear) else None, lin.bias)
+                for n, lin in out.items()}
 
     @property
     def blocks_only(self) -> bool:

@@ -439,3 +439,35 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     want = x.double() @ w.double().t()
     assert lin16.packed.fmt == f"{fmt}x16" and lin16.packed.data is lin.packed.data
     assert float((lin16(x).double() - want).norm() / want.norm()) < 1e-4
+
+
+def test_a_blocks_only_layer_is_checked_on_each_parts_first_rows() -> None:
+    from kernels.gguf_pack import dequantize_gguf
+    from service.worker.gguf_weights import RawBlocks
+    from tests.kernels.test_gguf_pack import random_raw
+    types, rows = ("Q4_K", "Q4_K", "Q6_K"), (300, 40, 280)
+    raw = tuple(random_raw(t, n, 256, seed=i).numpy() for i, (t, n) in enumerate(zip(types, rows)))
+    blocks = RawBlocks(types, raw, 256)
+    bias = torch.randn(sum(rows))
+    lw = choice.LayerWeights(None, bias, native=blocks)
+    sample = lw.check_sample(choice.CHECK_OUT_ROWS)
+    # every part keeps its first 256 rows (all of the 40), in order, with their bias
+    assert sample.shape == (256 + 40 + 256, 256) and sample.native.gguf_types == types
+    keep = torch.cat([torch.arange(256), 300 + torch.arange(40), 340 + torch.arange(256)])
+    assert torch.equal(sample.bias, bias[keep])
+    want = torch.cat([torch.from_numpy(dequantize_gguf(t, torch.from_numpy(r)).numpy())
+                      for t, r in zip(types, raw)])
+    assert torch.equal(sample.weight, want[keep])
+    assert lw.check_sample(1000) is lw  # nothing to cut
+    dense = choice.LayerWeights(want, bias)
+    assert dense.check_sample(8) is dense  # a dense layer is checked whole
+    path = PATHS["cpp-i8_k-avx2"]
+    if path.problem() is not None:
+        return
+
+    def timer(cls, n, makers):
+        return {name: 1.0 for name in makers}
+
+    plan = choice.choose_plan({"qkv": (None, bias)}, [path], "auto", False, timer=timer,
+                              natives={"qkv": blocks}, native_only=True, use_cache=False)
+    assert plan.choices["qkv"][0] == path.name and plan.errors["qkv"][path.name][0] < 1e-6

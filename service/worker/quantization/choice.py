@@ -61,6 +61,10 @@ TIMING_VERSION = 2
 """Bump when the timing method changes: old cached timings are then not reused."""
 LM_HEAD = "lm_head"
 CHECK_ROWS = 8
+CHECK_OUT_ROWS = 256
+"""A layer held only as a file's blocks is checked on the first this many output rows of
+each part (``LayerWeights.check_sample``): the same kernels and block types, without
+dequantizing the whole first layer and LM head (1.7 GB of fp32 at the 8B shape)."""
 OUTLIER = 30.0
 
 Timer = Callable[[str, int, Mapping[str, Callable[[], Sequence[Callable[[], object]]]]],
@@ -295,7 +299,7 @@ def class_paths(paths: Sequence[LinearPath], lw: LayerWeights,
     return [p for p in ok if p.numerics == ok[0].numerics] if batch_invariant and ok else ok
 
 
-def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]],
                 paths: Sequence[LinearPath], mode: str, batch_invariant: bool, *,
                 timer: Timer | None = None, use_cache: bool = True,
                 int4_group: int | None = None,
@@ -305,7 +309,9 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
 
     Args:
         layers: class name ("qkv", "o", "gate_up", "down", "lm_head") -> (weight [N, K]
-            float32, bias [N] or None) of one layer of that class.
+            float32, bias [N] or None) of one layer of that class; weight None where the
+            class has native blocks and no dense copy (it is then checked on a sample of
+            its rows, ``CHECK_OUT_ROWS``).
         paths: the candidates (``paths.candidates(mode, batch_invariant)``); each class
             takes those that accept its layer (``class_paths``). A path is correct within
             its own bound (``LinearPath.bound``) and timed from ``min_rows`` rows on.
@@ -342,15 +348,15 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
         kw = {} if int4_group is None else {"int4_group": int4_group}
         lw = lws[cls] = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
         mine = class_paths(usable, lw, batch_invariant, native_only)
-        errors[cls] = {p.name: relative_errors(p, lw) for p in mine}
-        saturation[cls] = _probe(cls, weight.shape, [p for p in mine if needs_probe(p)],
-                                 bound)
+        check = lw.check_sample(CHECK_OUT_ROWS)
+        errors[cls] = {p.name: relative_errors(p, check) for p in mine}
+        saturation[cls] = _probe(cls, lw.shape, [p for p in mine if needs_probe(p)], bound)
         sat = saturation[cls]
         correct[cls] = [p for p in mine if min(errors[cls][p.name]) <= bounds[p.name]
                         and min(sat.get(p.name, (0.0,))) <= bound]
         if not correct[cls]:
             raise ValueError(f"no {mode} linear path is within the error bound {bound} for "
-                             f"{cls} {tuple(weight.shape)}: {errors[cls]}; worst-case "
+                             f"{cls} {tuple(lw.shape)}: {errors[cls]}; worst-case "
                              f"inputs: {sat}")
 
     def decide(threads: int) -> tuple[dict[str, float], dict[str, list[dict[str, float]]],
@@ -361,7 +367,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
         choices: dict[str, tuple[str, ...]] = {}
         retimed: list[str] = []  # "class NxK at R rows", for the start-up log
         for cls, lw in lws.items():
-            weight, bias, sat = lw.weight, lw.bias, saturation[cls]
+            (n, k), bias, sat = lw.shape, lw.bias, saturation[cls]
             table[cls], picked = [], []
             copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
             for b, rows in enumerate(BUCKETS):
@@ -371,7 +377,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                     continue
                 err = {n: max(e[0 if rows == 1 else 1], sat[n][b] if n in sat else 0.0)
                        for n, e in errors[cls].items()}
-                keys = {p.name: (f"{p.name}|{weight.shape[0]}x{weight.shape[1]}|"
+                keys = {p.name: (f"{p.name}|{n}x{k}|"
                                  f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|"
                                  f"{rows}")
                         for p in correct[cls] if err[p.name] <= bounds[p.name]
@@ -379,7 +385,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                 missing = [p for p in correct[cls] if p.name in keys
                            and keys[p.name] not in timings]
                 if missing:
-                    x = torch.randn(rows, weight.shape[1])
+                    x = torch.randn(rows, k)
 
                     def make(p: LinearPath, x: torch.Tensor = x,
                              lw: LayerWeights = lw) -> list[Callable[[], object]]:
@@ -389,7 +395,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                         fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
                         return [lambda f=f: f(x) for f in fns]
 
-                    retimed.append(f"{cls} {weight.shape[0]}x{weight.shape[1]} at {rows} rows")
+                    retimed.append(f"{cls} {n}x{k} at {rows} rows")
                     with _num_threads(threads):
                         got = (timer or default_timer)(
                             cls, rows, {p.name: functools.partial(make, p) for p in missing})

@@ -205,6 +205,17 @@ class LayerWeights:
         assert self.native is not None
         return self.native.out_features, self.native.in_features
 
+    def check_sample(self, rows: int) -> LayerWeights:
+        """What the correctness check runs through: this layer, or, where it holds only
+        native blocks that can be cut (``RawBlocks.head_rows``), the first `rows` output
+        rows of each of its parts (every part's block type stays in the sample)."""
+        head_rows = getattr(self.native, "head_rows", None)
+        if self._weight is not None or head_rows is None or self.shape[0] <= rows:
+            return self
+        sample, index = head_rows(rows)
+        return LayerWeights(None, None if self.bias is None else self.bias[index],
+                            self.int4_group, native=sample)
+
     @property
     def native_fmt(self) -> str | None:
         """"q4_1", "q8_0", "q4_k", "i8_k", "q6_k" or None (no native blocks)."""
