@@ -45,6 +45,26 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+WARMUP_MACS = 16_000_000_000
+"""The start-up prefill steps' budget in multiply-adds of the decoder layers' linear layers:
+about 128 tokens of SmolLM2-135M (106 M a token). 128 tokens at the 8B shape took minutes on
+2 cores: the thread probe's 16 steps at about 7 GMAC a token, half of them on one thread."""
+
+
+def warmup_tokens(hf_config: object) -> int:
+    """Tokens of the start-up prefill steps (``ModelRunner.measure_rates``): as many as
+    WARMUP_MACS buys, at most 128, at least 1, a multiple of 16 from 16 on. E.g. SmolLM2-135M
+    128, Llama-3.2-1B 16, Llama-3.2-3B 5, Llama-3.1-8B 2. (Their prefill rate then reads low
+    for a big model, which only makes preemption lean to swapping: a CPU swap is a copy.)"""
+    c = hf_config
+    heads, kv = c.num_attention_heads, c.num_key_value_heads  # type: ignore[attr-defined]
+    hidden = c.hidden_size  # type: ignore[attr-defined]
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * c.intermediate_size  # type: ignore[attr-defined]
+    tokens = WARMUP_MACS // max(per_layer * c.num_hidden_layers, 1)  # type: ignore[attr-defined]
+    return max(1, min(128, tokens // 16 * 16 if tokens >= 16 else tokens))
+
+
 def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda when available, else cpu. Raises ValueError for cuda without a GPU."""
     if name == "auto":
@@ -287,13 +307,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def measure_rates(self, prefill_tokens: int = 128) -> tuple[float, float]:
+    def measure_rates(self, prefill_tokens: int | None = None) -> tuple[float, float]:
         """(swap bytes/s, prefill tokens/s) measured on this machine (a few hundred ms),
         then two decode steps to warm the decode path up, then the thread tuner's first
-        probe on prefill steps of `prefill_tokens` (`_first_thread_probe`).
+        probe on prefill steps of `prefill_tokens` (`_first_thread_probe`; default
+        ``warmup_tokens``: 128 at SmolLM2-135M's size, fewer for bigger models).
 
         Uses blocks of the empty cache as scratch: call before any request runs.
         """
+        if prefill_tokens is None:
+            prefill_tokens = warmup_tokens(self.loaded.hf_config)
         swap_bw = 0.0
         n = min(32, self.num_blocks, self.num_swap_blocks)
         if n:
