@@ -46,10 +46,10 @@ async def _serve(front: str) -> None:
                        scheduler=SchedulerConfig(max_num_seqs=64))
     async with Engine(cfg, runner=runner) as engine:
         if front == "websockets":
-            from service.front.ws_server import ConveyorServer
+            from service.front.ws_server import FrontServer
         else:
-            from service.front.server import FrontServer as ConveyorServer
-        server = await ConveyorServer(engine, ServerConfig(port=0)).start()
+            from service.front.server import FrontServer as FrontServer
+        server = await FrontServer(engine, ServerConfig(port=0)).start()
         print(server.port, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         await server.close()

@@ -32,7 +32,7 @@ from service.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelCon
                             SchedulerConfig)
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model_runner import ModelRunner
-from service.llm import LLM
+from service.engine.llm import LLM
 from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 

@@ -1,5 +1,5 @@
 """The network front: one ASGI app (Starlette) holding every route, typed against
-`service.engine_client.EngineClient`, so the same app serves one process (uvicorn,
+`service.engine.client.EngineClient`, so the same app serves one process (uvicorn,
 `service.front.server.FrontServer`) and the Ray ingress (a RemoteEngine behind it).
 
     app.py          the routes: /health, /metrics, / (chat page), the WebSocket routes

@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from protocol import Delta, Done, Error, ProtocolError
-from service.engine_client import EngineClient
+from service.engine.client import EngineClient
 from service.front.openai.errors import OpenAIError, from_protocol
 from service.front.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from service.front.openai.request import Plan

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from protocol import ChatMessage, ContextLengthExceeded, InvalidRequest
+from protocol import ChatMessage, InvalidRequest
 
 __all__ = ["PromptTokenizer"]
 
@@ -84,16 +84,6 @@ class PromptTokenizer:
             sum(len(m.content) for m in messages or ())
         return chars // (2 * self.max_chars_per_token)
 
-    def check_fits(self, min_tokens: int, max_tokens: int, max_model_len: int,
-                   request_id: str | None) -> None:
-        """Raise ContextLengthExceeded when even `min_tokens` + max_tokens cannot fit."""
-        if min_tokens + max_tokens > max_model_len:
-            prompt = f"prompt (at least {min_tokens} tokens) + " if min_tokens else ""
-            raise ContextLengthExceeded(
-                f"{prompt}max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
-                param="$.params.max_tokens", request_id=request_id,
-                prompt_alone=min_tokens >= max_model_len)
-
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, token_ids: Sequence[int] | None = None,
@@ -133,7 +123,7 @@ class PromptTokenizer:
         """Token ids of the chat template over `messages`, tokenized as `__call__` does
         (contents as plain text). With `after=k`, only the ids of the text that follows the
         content of `messages[k]`: the continuation of a context that ends with that content
-        (the Responses API's `previous_response_id`, service/responses/). E.g. ChatML with
+        (the Responses API's `previous_response_id`, service/front/ws/responses/). E.g. ChatML with
         k the last assistant turn and a new user turn: the ids of
         "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n".
 
