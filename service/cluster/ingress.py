@@ -28,13 +28,13 @@ from typing import Any
 import structlog
 from ray import serve
 
-from service.front.access import AccessPolicy
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.registry import routers_for
 from service.cluster.remote_engine import RemoteEngine
-from service.front.starting import StartingApp
 from service.config import ServerConfig
+from service.front.access import AccessPolicy
 from service.front.app import Front, build_app
+from service.front.starting import StartingApp
 from service.gc_heap import freeze_startup_heap
 
 log = structlog.get_logger(__name__)

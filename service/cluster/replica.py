@@ -30,8 +30,8 @@ from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaR
 from service.config import EngineConfig
 from service.engine.client import EngineRequest
 from service.engine.engine import Engine
-from service.gc_heap import freeze_startup_heap
 from service.engine.stream import Event
+from service.gc_heap import freeze_startup_heap
 
 log = structlog.get_logger(__name__)
 

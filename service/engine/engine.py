@@ -24,7 +24,8 @@ from typing import Any
 
 import structlog
 
-from protocol import ChatMessage, DuplicateId, InternalError, InvalidRequest, Overloaded, ShuttingDown
+from protocol import (ChatMessage, DuplicateId, InternalError, InvalidRequest, Overloaded,
+                      ShuttingDown)
 from service.core.config import EngineConfig
 from service.core.engine_core import CoreStats, EngineCore
 from service.core.kv_cache_manager import PreemptionCost

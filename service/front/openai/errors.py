@@ -53,8 +53,9 @@ class OpenAIError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = None

@@ -17,13 +17,11 @@ import structlog
 from starlette.websockets import WebSocket
 
 from protocol import ShuttingDown, TooManyRequests
-
-from service.front.access import AccessPolicy
 from service.config import ServerConfig
 from service.engine.client import EngineClient
-from service.front.ws.socket import AsgiSocket
-from service.front.access import refuse_socket
+from service.front.access import AccessPolicy, refuse_socket
 from service.front.ws.actor import SocketActor
+from service.front.ws.socket import AsgiSocket
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,6 @@
-"""The `/v1/stream` connection actor (PROTOCOL.md): one per WebSocket. Decodes frames, hands requests to the engine,
-writes each request's events to the socket through its bounded Outbox.
+"""The `/v1/stream` connection actor (PROTOCOL.md): one per WebSocket. Decodes frames,
+hands requests to the engine, writes each request's events to the socket through its
+bounded Outbox.
 
 A bad frame gets an `error` (`invalid_request`) and the socket stays open. Closing
 the socket, cleanly or not (no close frame, a reset, a keepalive timeout), cancels

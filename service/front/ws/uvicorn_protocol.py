@@ -28,8 +28,8 @@ import socket
 import warnings
 from typing import Any
 
-from service.front.access import RedactingLogger
 from service.config import ServerConfig
+from service.front.access import RedactingLogger
 from service.front.ws.socket import TRANSPORT_ABORT
 
 WS_IMPLS = ("websockets-sansio", "websockets")

@@ -33,10 +33,10 @@ from protocol import ChatMessage, ContextLengthExceeded, Done, InvalidRequest, P
 from protocol.responses_request import CreateRequest, ResponsesError, parse_client_frame
 from service.engine.client import EngineRequest
 from service.front.openai.errors import ERROR_TYPES
+from service.front.ws.actor import SocketActor
 from service.front.ws.responses.context import build_prompt, context_after, prompt_tokenizer
 from service.front.ws.responses.run import ResponseRun, new_response_id
 from service.front.ws.responses.store import ResponseStore
-from service.front.ws.actor import SocketActor
 
 log = structlog.get_logger(__name__)
 
