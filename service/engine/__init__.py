@@ -5,8 +5,8 @@
     engine.py            Engine: the in-process EngineClient (Admission, step loop, streams)
     llm.py               LLM: offline, synchronous batch generation on the same core
     admission.py         Admission: input checks, tokenizing, defaults, the room check
-    request_input.py     a caller's Python objects checked as the wire checks them
-    prompt_tokenizer.py  messages / text / ids -> token ids (chat template, no injection)
+    request_input.py     a request's input checked as the wire checks it; PromptTokenizer:
+                         messages / text / ids -> token ids (chat template, no injection)
     sampling_defaults.py the model's generation config: unset values, default max_tokens
     step_loop.py         the Scheduler + StepLoop actor around EngineCore.step()
     output_processor.py  the request table: step outputs -> Delta / Error / Done events
@@ -27,6 +27,7 @@ _EXPORTS = {
     "EngineClient": "service.engine.client",
     "EngineRequest": "service.engine.client",
     "LLM": "service.engine.llm",
+    "PromptTokenizer": "service.engine.request_input",
     "RequestStream": "service.engine.stream",
 }
 

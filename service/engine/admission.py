@@ -29,7 +29,7 @@ import msgspec
 
 from protocol import ContextLengthExceeded, InvalidRequest, Overloaded, SamplingParams
 from service.engine.client import EngineRequest
-from service.engine.prompt_tokenizer import PromptTokenizer
+from service.engine.request_input import PromptTokenizer
 from service.engine.request_input import coerce_messages, coerce_params, coerce_token_ids
 from service.engine.sampling_defaults import SamplingDefaults
 

@@ -27,7 +27,7 @@ if HAVE_RAY:
     from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
     from service.cluster.remote_engine import RemoteEngine
     from service.engine.request_input import coerce_messages
-    from service.engine.prompt_tokenizer import PromptTokenizer
+    from service.engine.request_input import PromptTokenizer
 
 
 DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="test") if HAVE_RAY else None

@@ -91,7 +91,7 @@ def test_nothing_imports_the_command_line():
 # What the front may take from the async engine: the contract, the stream type, the prompt
 # types (and the sampling defaults the contract's facts are typed with).
 FRONT_MAY_IMPORT = {"service.engine.client", "service.engine.stream",
-                    "service.engine.prompt_tokenizer", "service.engine.sampling_defaults"}
+                    "service.engine.request_input", "service.engine.sampling_defaults"}
 
 
 def test_the_front_is_typed_against_the_contract_not_the_engine():
