@@ -1,8 +1,8 @@
 """One OpenAI HTTP request in flight: its choices as engine requests, their events, and
 the response built from them (one JSON body, or SSE chunks).
 
-Each choice is one engine request (`add_request(EngineRequest(...), sink)`); the n choices of a
-prompt share its prefix in the KV cache (prefix caching). Every event lands in one queue
+Each choice is one engine request (`add_request(EngineRequest(...), sink)`); the n
+choices of a prompt share its prefix in the KV cache (prefix caching). Every event lands in one queue
 as (choice index, event). A client that goes away (the ASGI `http.disconnect`, watched
 by a task of its own) aborts every choice still running: their KV blocks return within
 a step, as a closed WebSocket's do.
