@@ -115,7 +115,8 @@ async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokeniz
     events: list = []
     messages = [{"role": "user", "content": "A question long enough to fill a few blocks of "
                                             "sixteen tokens each, and then some more words."}]
-    n = await engine.add_request(EngineRequest(messages=messages, params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), events.append)
+    n = await engine.add_request(EngineRequest(
+        messages=messages, params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), events.append)
     assert n == 41
     (request,), = handle.generate.calls
     assert isinstance(request, ReplicaRequest) and request.client_id == "r1"
@@ -137,7 +138,8 @@ async def test_bad_input_is_refused_before_anything_is_routed(hf_tokenizer):
         await engine.add_request(EngineRequest(prompt="hi", params={"temperature": -1}), print)
     assert e.value.param == "$.params.temperature"
     with pytest.raises(ContextLengthExceeded):
-        await engine.add_request(EngineRequest(prompt="word " * 400, params={"max_tokens": 200}), print)
+        await engine.add_request(EngineRequest(
+            prompt="word " * 400, params={"max_tokens": 200}), print)
     with pytest.raises(InvalidRequest):
         await engine.add_request(EngineRequest(prompt_token_ids=[49152]), print)
     engine.begin_shutdown()
@@ -150,7 +152,8 @@ async def test_a_replica_dying_before_admission_is_skipped(hf_tokenizer):
     engine, handle = make_engine(hf_tokenizer, [
         FakeStream([], ActorDiedError()), FakeStream([Admitted(2, "B"), [done("r")]])])
     events: list = []
-    assert await engine.add_request(EngineRequest(prompt="hi", request_id="k", client_id="r"), events.append) == 2
+    assert await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append) == 2
     await drain(engine)
     assert len(handle.generate.calls) == 2 and events == [done("r")]
 
@@ -169,7 +172,8 @@ async def test_death_mid_stream_is_a_retryable_error_then_done(hf_tokenizer):
                          [Delta(id="r", index=1, text="b", token_ids=[2])]], ActorDiedError())
     engine, _ = make_engine(hf_tokenizer, [stream])
     events: list = []
-    await engine.add_request(EngineRequest(prompt="hi", request_id="k", client_id="r"), events.append)
+    await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append)
     await drain(engine)
     *deltas, error, final = events
     assert len(deltas) == 2
@@ -191,7 +195,8 @@ async def test_abort_is_pinned_to_the_serving_replica(hf_tokenizer):
 
     engine, handle = make_engine(hf_tokenizer, [Slow([Admitted(5, "SERVE_REPLICA::a#E#x")])])
     events: list = []
-    await engine.add_request(EngineRequest(prompt="hi", request_id="k", client_id="r"), events.append)
+    await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append)
     engine.abort("k")
     engine.abort("k")  # once is enough
     engine.abort("unknown")
@@ -240,7 +245,8 @@ async def test_a_request_cancelled_during_admission_is_counted_where_it_was_admi
     stream = GatedStream([first], gate)
     engine, handle = make_engine(hf_tokenizer, [stream])
     engine.metrics.track_in_flight(lambda: engine.num_unfinished)
-    task = asyncio.ensure_future(engine.add_request(EngineRequest(prompt="hello", params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), lambda e: None))
+    task = asyncio.ensure_future(engine.add_request(EngineRequest(
+        prompt="hello", params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), lambda e: None))
     for _ in range(500):  # until the request is at the replica (tokenized, sent)
         await asyncio.sleep(0.01)
         if handle.generate.calls:

@@ -155,7 +155,8 @@ async def test_control_tokens_in_a_message_are_plain_text(make_server, tokenizer
     assert role[0]["code"] == "invalid_request" and role[0]["param"] == "$.messages[0].role"
     await client.close()
     # the same in process
-    stream = await engine.open_stream(EngineRequest(messages=[{"role": "user", "content": EVIL}], params={"max_tokens": 1}))
+    stream = await engine.open_stream(EngineRequest(
+        messages=[{"role": "user", "content": EVIL}], params={"max_tokens": 1}))
     assert stream.prompt_tokens == expected
     async for _ in stream:
         pass
@@ -252,4 +253,5 @@ async def test_context_length_exceeded_for_a_huge_prompt_in_process(make_engine)
     with pytest.raises(ContextLengthExceeded, match="at least"):
         await engine.open_stream(EngineRequest(prompt="word " * 2_000_000))
     with pytest.raises(ContextLengthExceeded, match="at least"):
-        await engine.open_stream(EngineRequest(messages=[{"role": "user", "content": "word " * 2_000_000}]))
+        await engine.open_stream(EngineRequest(
+            messages=[{"role": "user", "content": "word " * 2_000_000}]))

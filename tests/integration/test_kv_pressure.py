@@ -97,7 +97,8 @@ async def test_full_admission_queue_answers_overloaded(make_engine):
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
     # token ids are admitted without a thread hop: no step runs between these three
     ids = engine.tokenizer.encode("Hello")
-    streams = [await engine.open_stream(EngineRequest(prompt_token_ids=ids, params=params)) for _ in range(2)]
+    streams = [await engine.open_stream(EngineRequest(
+        prompt_token_ids=ids, params=params)) for _ in range(2)]
     with pytest.raises(Overloaded) as e:
         await engine.open_stream(EngineRequest(prompt_token_ids=ids, params=params))
     assert e.value.retry_after_ms >= 100 and e.value.to_frame().retryable
@@ -114,4 +115,5 @@ async def test_request_larger_than_the_whole_pool_is_rejected(make_engine):
 
     engine = await make_engine(num_kv_blocks=4)  # 64 tokens in all
     with pytest.raises(ContextLengthExceeded, match="KV blocks"):
-        await engine.open_stream(EngineRequest(prompt="Hello", params=SamplingParams(max_tokens=100)))
+        await engine.open_stream(EngineRequest(
+            prompt="Hello", params=SamplingParams(max_tokens=100)))

@@ -23,11 +23,13 @@ async def test_priority_request_overtakes_running_low_priority_ones(make_engine)
 
     low = SamplingParams(max_tokens=64, ignore_eos=True, priority=5, temperature=0)
     for i in range(4):
-        await engine.add_request(EngineRequest(prompt=f"Story number {i}:", params=low, request_id=f"low{i}"), sink_for(f"low{i}"))
+        await engine.add_request(EngineRequest(
+            prompt=f"Story number {i}:", params=low, request_id=f"low{i}"), sink_for(f"low{i}"))
     while engine.num_steps < 3:  # two low ones running, two waiting
         await asyncio.sleep(0.01)
     high = SamplingParams(max_tokens=8, ignore_eos=True, priority=0, temperature=0)
-    await engine.add_request(EngineRequest(prompt="Quick:", params=high, request_id="high"), sink_for("high"))
+    await engine.add_request(EngineRequest(
+        prompt="Quick:", params=high, request_id="high"), sink_for("high"))
     await asyncio.wait_for(done_all.wait(), 1800)
     assert finished[0] == "high", finished
     assert engine.scheduler.num_preemptions >= 1

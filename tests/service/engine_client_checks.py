@@ -38,7 +38,9 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
     assert sum(len(d.token_ids) for d in deltas) == events[-1].usage.completion_tokens \
         == max_tokens
     # by stream
-    stream = await engine.open_stream(EngineRequest(messages=[{"role": "user", "content": "Hi"}], params={"max_tokens": 2, "ignore_eos": True}))
+    stream = await engine.open_stream(EngineRequest(
+        messages=[{"role": "user", "content": "Hi"}],
+        params={"max_tokens": 2, "ignore_eos": True}))
     assert isinstance(stream, RequestStream)
     got = [e async for e in stream]
     assert isinstance(got[-1], Done) and got[-1].usage.completion_tokens == 2
@@ -63,7 +65,8 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
     assert e.value.param == "$.params.temperature"
     too_many = engine.kv_cache_tokens + 1
     with pytest.raises(ContextLengthExceeded):
-        await engine.add_request(EngineRequest(prompt_token_ids=[1, 2, 3], params={"max_tokens": too_many}), print)
+        await engine.add_request(EngineRequest(
+            prompt_token_ids=[1, 2, 3], params={"max_tokens": too_many}), print)
 
     # abort mid-stream
     events = []

@@ -105,7 +105,8 @@ async def test_a_bad_request_never_harms_one_running_beside_it(make):
                                                                     "temperature": 0}))
     await asyncio.sleep(0.01)
     with pytest.raises(InvalidRequest):
-        await engine.open_stream(EngineRequest(prompt="x", params=SamplingParams(temperature=math.nan)))
+        await engine.open_stream(EngineRequest(
+            prompt="x", params=SamplingParams(temperature=math.nan)))
     text, _, done, errors = await good
     assert done.finish_reason == "length" and len(text) == 30 and not errors
 
@@ -126,7 +127,8 @@ async def test_stop_token_ids_are_not_sent(make):
 async def test_abort_races_with_admission_and_steps(make):
     engine = await make()
     for delay in (0, 0.0, 0.001, 0.01):
-        stream = await engine.open_stream(EngineRequest(prompt="x" * 40, params={"max_tokens": 1500}))
+        stream = await engine.open_stream(EngineRequest(
+            prompt="x" * 40, params={"max_tokens": 1500}))
         if delay:
             await asyncio.sleep(delay)
         engine.abort(stream.request_id)
