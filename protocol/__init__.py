@@ -51,7 +51,9 @@ _EXPORTS = {
     'decode_client_frame': 'protocol.codec',
     'decode_server_frame': 'protocol.codec',
     'encode': 'protocol.codec',
+    'error_class': 'protocol.errors',
     'error_from_frame': 'protocol.errors',
+    'status_of': 'protocol.errors',
 }
 
 __all__ = sorted(_EXPORTS)

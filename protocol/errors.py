@@ -3,6 +3,23 @@
 The server raises these where a request fails and sends `exc.to_frame()`;
 the client turns a received `error` frame back into the same class with
 `error_from_frame`. Codes and retryability follow PROTOCOL.md.
+
+Each class also carries the one status table every front reads (`http_status`,
+`close_code`; `status_of(code)` for a received frame's code):
+
+| code                    | HTTP | WebSocket close (where a socket is refused for it) |
+|-------------------------|------|----------------------------------------------------|
+| invalid_request         | 400  | 1008 policy violation                              |
+| duplicate_id            | 400  | 1008                                               |
+| context_length_exceeded | 400  | 1008                                               |
+| unauthorized            | 401  | 1008                                               |
+| overloaded              | 429  | 1013 try again later                               |
+| too_many_requests       | 429  | 1013                                               |
+| internal_error          | 500  | 1011 internal error                                |
+| shutting_down           | 503  | 1013                                               |
+
+429 for `overloaded` is OpenAI's `rate_limit_error` (with Retry-After), which the OpenAI
+SDKs retry with back-off; 503 is kept for a server that takes no new requests at all.
 """
 
 from __future__ import annotations
@@ -25,6 +42,8 @@ class ProtocolError(Exception):
     """
 
     code: ClassVar[ErrorCode] = "internal_error"
+    http_status: ClassVar[int] = 500
+    close_code: ClassVar[int] = 1011
     retryable: bool = False
 
     def __init__(
@@ -59,12 +78,16 @@ class InvalidRequest(ProtocolError):
     """Malformed JSON, unknown type, wrong field types or values out of range."""
 
     code: ClassVar[ErrorCode] = "invalid_request"
+    http_status: ClassVar[int] = 400
+    close_code: ClassVar[int] = 1008
 
 
 class DuplicateId(ProtocolError):
     """The id is already used by a request of this connection that is in flight."""
 
     code: ClassVar[ErrorCode] = "duplicate_id"
+    http_status: ClassVar[int] = 400
+    close_code: ClassVar[int] = 1008
 
 
 class ContextLengthExceeded(ProtocolError):
@@ -78,6 +101,8 @@ class ContextLengthExceeded(ProtocolError):
     """
 
     code: ClassVar[ErrorCode] = "context_length_exceeded"
+    http_status: ClassVar[int] = 400
+    close_code: ClassVar[int] = 1008
 
     def __init__(self, message: str, *, prompt_alone: bool = False, **kwargs) -> None:
         super().__init__(message, **kwargs)
@@ -88,6 +113,8 @@ class Overloaded(ProtocolError):
     """The admission queue is full; retry after `retry_after_ms` milliseconds."""
 
     code: ClassVar[ErrorCode] = "overloaded"
+    http_status: ClassVar[int] = 429
+    close_code: ClassVar[int] = 1013
     retryable = True
 
     def __init__(
@@ -114,12 +141,16 @@ class TooManyRequests(ProtocolError):
     """This connection already has its cap of requests in flight."""
 
     code: ClassVar[ErrorCode] = "too_many_requests"
+    http_status: ClassVar[int] = 429
+    close_code: ClassVar[int] = 1013
 
 
 class ShuttingDown(ProtocolError):
     """The server is draining and takes no new requests; another instance may."""
 
     code: ClassVar[ErrorCode] = "shutting_down"
+    http_status: ClassVar[int] = 503
+    close_code: ClassVar[int] = 1013
     retryable = True
 
 
@@ -127,12 +158,16 @@ class Unauthorized(ProtocolError):
     """Missing or wrong API key."""
 
     code: ClassVar[ErrorCode] = "unauthorized"
+    http_status: ClassVar[int] = 401
+    close_code: ClassVar[int] = 1008
 
 
 class InternalError(ProtocolError):
     """The server failed; the request is lost."""
 
     code: ClassVar[ErrorCode] = "internal_error"
+    http_status: ClassVar[int] = 500
+    close_code: ClassVar[int] = 1011
 
 
 class ClientConnectionClosed(ConnectionError):
@@ -152,6 +187,7 @@ class ClientConnectionClosed(ConnectionError):
 _BY_CODE: dict[str, type[ProtocolError]] = {
     cls.code: cls
     for cls in (
+        Overloaded,
         InvalidRequest,
         DuplicateId,
         ContextLengthExceeded,
@@ -161,6 +197,16 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
         InternalError,
     )
 }
+
+
+def error_class(code: str) -> type[ProtocolError]:
+    """The class of wire error `code`; InternalError for a code this version does not know."""
+    return _BY_CODE.get(code, InternalError)
+
+
+def status_of(code: str) -> int:
+    """The HTTP status of wire error `code` (the table in the module docstring)."""
+    return error_class(code).http_status
 
 
 def error_from_frame(frame: Error) -> ProtocolError:
@@ -194,5 +240,7 @@ __all__ = [
     "ShuttingDown",
     "TooManyRequests",
     "Unauthorized",
+    "error_class",
     "error_from_frame",
+    "status_of",
 ]

@@ -79,7 +79,7 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
 
     `temperature`, `top_p`, `top_k` and `min_p` default to None, "unset": the engine
     fills an unset one from the model's generation config at admission (vLLM's
-    `--generation-config auto`; see `service.generation_config`), so "unset" and "set
+    `--generation-config auto`; see `service.engine.sampling_defaults`), so "unset" and "set
     to 1.0" differ on the wire. The values in brackets below are the neutral ones
     (`--generation-config vllm`).
 

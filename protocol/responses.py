@@ -194,7 +194,7 @@ DELTA_OVERHEAD_BYTES = 160
 
 class OutputTextDelta(_Event, tag="response.output_text.delta"):
     """New text of one content part. While it waits in a slow reader's outbox, a later
-    delta of the same part merges into it (`absorb`, service/outbox.py's Appendable)."""
+    delta of the same part merges into it (`absorb`, service/front/ws/outbox.py's Appendable)."""
 
     item_id: str
     output_index: int

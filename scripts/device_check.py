@@ -6,7 +6,7 @@ so a run killed by a time limit still leaves the sections it finished):
 - ``environment``: torch/triton versions, the GPU.
 - ``kernel_tests``: ``pytest tests/kernels`` in a subprocess, natively on CUDA
   (TRITON_INTERPRET removed from its environment).
-- ``e2e_greedy``: greedy generation with ``service.llm.LLM`` on CPU (torch
+- ``e2e_greedy``: greedy generation with ``service.engine.llm.LLM`` on CPU (torch
   backend), on CUDA with the torch backend and on CUDA with the Triton
   backend; per prompt, the first index where the token streams differ.
 - ``copy_bandwidth`` and ``decode_attention``: device-to-device copy of a
@@ -212,11 +212,11 @@ def e2e_greedy(plan: Plan, llm_factory: Callable[..., Any] | None = None) -> dic
 
     llm_factory(device=..., attention_backend=...) must return an object with
     ``generate_greedy(prompt_token_ids_list, max_tokens) -> list[list[int]]``;
-    by default ``service.llm.LLM``. An import failure is recorded, not raised.
+    by default ``service.engine.llm.LLM``. An import failure is recorded, not raised.
     """
     if llm_factory is None:
         try:
-            from service.llm import LLM
+            from service.engine.llm import LLM
         except Exception as exc:
             return {"compared": False, "import_error": repr(exc)}
         llm_factory = LLM

@@ -16,7 +16,9 @@ _EXPORTS = {
     "ModelConfig": "service.config",
     "SchedulerConfig": "service.config",
     "ServerConfig": "service.config",
-    "Engine": "service.engine",
+    "Engine": "service.engine.engine",
+    "EngineRequest": "service.engine.client",
+    "LLM": "service.engine.llm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -108,7 +108,7 @@ class ServerConfig:
         _check(key is None or (0 < len(key) <= 512 and key.isprintable() and " " not in key),
                "api_key", "1 to 512 printable characters without spaces",
                None if key is None else "<hidden>")
-        from service.auth import normalize_origin  # the rule lives beside its use
+        from service.front.access import normalize_origin  # the rule lives beside its use
 
         for origin in self.allowed_origins:
             normalize_origin(origin)  # raises ValueError naming the bad origin

@@ -1,4 +1,7 @@
-"""Command-line flags generated from the config dataclasses: one option, one definition.
+"""The `conveyor` argument parser (`build_parser`), and the command-line flags generated
+from the config dataclasses: one option, one definition. `service.cli` (dispatch),
+`service.bench` and `service.cluster` import it; it imports none of them but the cluster's
+flag definitions.
 
 Every field of `ModelConfig`, `CacheConfig`, `SchedulerConfig` (with its
 `PolicyOptions`), `EngineConfig` and `ServerConfig` declared with
@@ -18,10 +21,11 @@ import types
 import typing
 from typing import Any
 
+from service.cluster.config import ClusterConfig
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 
 __all__ = ["add_config_args", "add_engine_args", "add_server_args", "build_config",
-           "engine_config", "server_config"]
+           "build_parser", "cluster_config", "engine_config", "server_config"]
 
 # (title of the --help group, config class); nested config fields (SchedulerConfig.policy)
 # are flattened into their parent's group
@@ -133,3 +137,49 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
         config = dataclasses.replace(config, api_key=os.environ["CONVEYOR_API_KEY"])
     return config
 
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """`serve --replicas N`: engine replicas on Ray Serve (the `cluster` extra)."""
+    g = p.add_argument_group("cluster (Ray Serve; needs the cluster extra)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve with N engine replicas behind one endpoint on Ray Serve "
+                        "(prefix-cache-affinity routing); None = one in-process engine")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. ray://head:10001 or head:6379); None = "
+                        "a Ray instance already running on this machine, else a new local one")
+    add_config_args(g, ClusterConfig)
+
+
+def cluster_config(a: argparse.Namespace) -> ClusterConfig:
+    """The cluster flags as a ClusterConfig (raises ValueError for bad values)."""
+    return build_config(ClusterConfig, a, num_replicas=ClusterConfig.num_replicas
+                        if a.replicas is None else a.replicas)
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor",
+                                     description="Conveyor: an LLM streaming server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over WebSockets",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_args(serve)
+    add_engine_args(serve)
+    add_cluster_args(serve)
+    serve.add_argument("--log-level", default="info",
+                       choices=["debug", "info", "warning", "error"],
+                       help="log level; JSON lines unless stderr is a terminal")
+    serve.add_argument("--loop", default="uvloop" if _has_uvloop() else "asyncio",
+                       choices=["asyncio", "uvloop"], help="event loop implementation")
+    sub.add_parser("chat", help="terminal chat client (see `conveyor chat --help`)",
+                   add_help=False)
+    sub.add_parser("bench", help="load generator and benchmarks (see `conveyor bench --help`)",
+                   add_help=False)
+    return parser

@@ -11,7 +11,7 @@ quarter of the heap). With that heap frozen (`gc.freeze()`), the same collection
 
 Only for processes that serve until they exit (`conveyor serve`, a Ray engine replica, the
 Ray ingress). A frozen object is never collected as part of a cycle, so a process that
-builds and drops engines (tests, `service.llm.LLM` in an application) would keep every
+builds and drops engines (tests, `service.engine.llm.LLM` in an application) would keep every
 frozen cycle: LLM does not call this.
 
 At exit the heap is unfrozen again (`atexit`), so that the interpreter's last collections

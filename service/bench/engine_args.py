@@ -1,6 +1,7 @@
 """Engine options of `conveyor bench`, forwarded to the `conveyor serve` it starts.
 
-The bench parser takes the same engine flags as `conveyor serve` (`service.cli.add_engine_args`);
+The bench parser takes the same engine flags as `conveyor serve`
+(`service.engine_args.add_engine_args`);
 `serve_args` turns the ones the user set back into `conveyor serve` arguments.
 """
 
@@ -9,8 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from service.engine_args import add_engine_args
-from service.cli import build_parser as serve_parser
+from service.engine_args import add_engine_args, build_parser as serve_parser
 
 
 def engine_parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from protocol import Delta, SamplingParams, encode
 from service.config import CacheConfig, EngineConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
 from service.core.request import Request
-from service.detokenizer import IncrementalDetokenizer
+from service.engine.detokenizer import IncrementalDetokenizer
 from service.worker.loader import LoadedModel
 from service.worker.model_runner import ModelRunner
 from service.worker.section_timer import SectionTimer

@@ -6,9 +6,8 @@ Serves an Engine over a NullRunner (no forward: every step "samples" at once, wi
 real SmolLM2 tokenizer detokenizing) in a child process, streams `--requests` concurrent
 requests of `--max-tokens` tokens through each front, and reads the CPU time (user +
 system, from the OS) the server process spent meanwhile. The engine's own work is the
-same for every front, so the differences between rows are the fronts' costs:
+same for both routes, so the differences between rows are the routes' costs:
 
-    websockets   the previous server (service/front/ws_server.py: websockets only)
     asgi-ws      the front app on uvicorn, /v1/stream (one socket, many requests)
     asgi-sse     the front app on uvicorn, POST /v1/chat/completions stream=true
                  (one HTTP connection per request)
@@ -27,10 +26,10 @@ import subprocess
 import sys
 import time
 
-FRONTS = ("websockets", "asgi-ws", "asgi-sse")
+FRONTS = ("asgi-ws", "asgi-sse")
 
 
-async def _serve(front: str) -> None:
+async def _serve() -> None:
     from service.bench.tokenizer import load_tokenizer
     from service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
     from service.core.null_runner import NullRunner
@@ -45,11 +44,9 @@ async def _serve(front: str) -> None:
     cfg = EngineConfig(cache=CacheConfig(num_kv_blocks=4096, swap_space=0.0),
                        scheduler=SchedulerConfig(max_num_seqs=64))
     async with Engine(cfg, runner=runner) as engine:
-        if front == "websockets":
-            from service.front.ws_server import ConveyorServer
-        else:
-            from service.front.server import FrontServer as ConveyorServer
-        server = await ConveyorServer(engine, ServerConfig(port=0)).start()
+        from service.front.server import FrontServer
+
+        server = await FrontServer(engine, ServerConfig(port=0)).start()
         print(server.port, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         await server.close()
@@ -92,9 +89,8 @@ def measure(front: str, requests: int, max_tokens: int, rounds: int) -> float:
     """Median server CPU ms per 1,000 tokens through `front`."""
     import psutil
 
-    serve = "websockets" if front == "websockets" else "asgi"
-    child = subprocess.Popen([sys.executable, "-m", "service.bench.front_cost", "--serve",
-                              serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "service.bench.front_cost", "--serve"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
         proc = psutil.Process(child.pid)
@@ -121,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--fronts", default=",".join(FRONTS))
-    p.add_argument("--serve", choices=["websockets", "asgi"], help=argparse.SUPPRESS)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.serve:
         from service.logs import configure_logging
 
         configure_logging("warning")
-        asyncio.run(_serve(a.serve))
+        asyncio.run(_serve())
         return 0
     t0 = time.monotonic()
     for front in a.fronts.split(","):

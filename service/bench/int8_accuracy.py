@@ -30,10 +30,10 @@ import torch
 from protocol import SamplingParams
 from service.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig,
                             SchedulerConfig)
+from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from service.engine.llm import LLM
 from service.worker.loader import LoadedModel, load_model
 from service.worker.model_runner import ModelRunner
-from service.llm import LLM
-from service.core.scheduler_output import ScheduledSequence, SchedulerOutput
 
 
 def make_runner(loaded: LoadedModel, quantization: str | None,

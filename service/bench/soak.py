@@ -4,7 +4,7 @@ cancels and abrupt disconnects; then checks that nothing leaked (issue 8).
     scripts/soak                       # 1,000 requests over 100 connections
     scripts/soak --requests 100 --connections 10     # a quick run
 
-The server (Engine + ConveyorServer) runs in this process, on its own event loop in a
+The server (Engine + FrontServer) runs in this process, on its own event loop in a
 thread, so that its asyncio tasks can be counted exactly; the clients run on the main
 loop and speak raw WebSocket frames. Checked at the end, each a line of the report:
 
@@ -58,7 +58,7 @@ def open_fds() -> int:
 
 
 class ServerThread:
-    """Engine + ConveyorServer on an event loop of their own, in a daemon thread."""
+    """Engine + FrontServer on an event loop of their own, in a daemon thread."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
@@ -79,10 +79,10 @@ class ServerThread:
 
     async def _start(self) -> None:
         from service.engine import Engine
-        from service.server import ConveyorServer
+        from service.front.server import FrontServer
 
         self.engine = await Engine(self.engine_config).start()
-        self.server = await ConveyorServer(self.engine, self.server_config).start()
+        self.server = await FrontServer(self.engine, self.server_config).start()
 
     def start(self) -> None:
         self.call(self._start())

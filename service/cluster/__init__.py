@@ -8,7 +8,6 @@
     messages.py        what ingress and replicas pass each other (ReplicaRequest, Admitted, ...)
     replica.py         EngineReplica: one Engine per replica; streaming generate, abort, stats
     remote_engine.py   RemoteEngine: an EngineClient over the replicas (ingress side)
-    asgi_socket.py     moved to service/front/asgi_socket.py (re-exported)
     ingress.py         the Serve ingress: the one front app (service/front/) over a RemoteEngine
     ingress_metrics.py the ingress's metrics, and the replicas' relabelled with `replica`
     app.py             build_app(...) / app_builder(args): the Serve application

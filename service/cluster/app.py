@@ -84,8 +84,7 @@ def build_app(engine: EngineConfig, server: ServerConfig,
 def configs_from_argv(argv: list[str]) -> tuple[EngineConfig, ServerConfig, ClusterConfig]:
     """The three configs from `conveyor serve` flags (raises ValueError for bad values,
     SystemExit for flags argparse refuses)."""
-    from service.cli import build_parser, engine_config, server_config
-    from service.cluster.config import cluster_config
+    from service.engine_args import build_parser, cluster_config, engine_config, server_config
 
     a = build_parser().parse_args(["serve", *argv])
     return engine_config(a), server_config(a), cluster_config(a)

@@ -10,7 +10,6 @@ Ray Serve's deployment options where one exists (`num_replicas`, `max_ongoing_re
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from service.core.config import _check, option
@@ -39,7 +38,7 @@ class ClusterConfig:
     app_name: the Serve application's name; route_prefix: where the proxy mounts it.
     """
 
-    num_replicas: int = 2  # its flag is --replicas (add_cluster_args)
+    num_replicas: int = 2  # its flag is --replicas (service.engine_args.add_cluster_args)
     min_replicas: int | None = option(
         None, "autoscaling: fewest replicas (with --max-replicas; --replicas is the "
         "initial count)", metavar="N")
@@ -105,25 +104,3 @@ class ClusterConfig:
     def torch_threads(self) -> int:
         """Torch threads per replica from its CPU reservation."""
         return max(1, round(self.num_cpus_per_replica))
-
-
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """`serve --replicas N`: engine replicas on Ray Serve (the `cluster` extra)."""
-    from service.engine_args import add_config_args
-
-    g = p.add_argument_group("cluster (Ray Serve; needs the cluster extra)")
-    g.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="serve with N engine replicas behind one endpoint on Ray Serve "
-                        "(prefix-cache-affinity routing); None = one in-process engine")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster (e.g. ray://head:10001 or head:6379); None = "
-                        "a Ray instance already running on this machine, else a new local one")
-    add_config_args(g, ClusterConfig)
-
-
-def cluster_config(a: argparse.Namespace) -> ClusterConfig:
-    """The cluster flags as a ClusterConfig (raises ValueError for bad values)."""
-    from service.engine_args import build_config
-
-    return build_config(ClusterConfig, a, num_replicas=ClusterConfig.num_replicas
-                        if a.replicas is None else a.replicas)

@@ -48,8 +48,8 @@ from typing import Any, cast
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.auth import AccessPolicy
 from service.config import ServerConfig
+from service.front.access import AccessPolicy
 from service.front.server import SignalFreeServer
 from service.front.starting import StartingApp
 

@@ -28,13 +28,13 @@ from typing import Any
 import structlog
 from ray import serve
 
-from service.auth import AccessPolicy
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.registry import routers_for
 from service.cluster.remote_engine import RemoteEngine
-from service.front.starting import StartingApp
 from service.config import ServerConfig
+from service.front.access import AccessPolicy
 from service.front.app import Front, build_app
+from service.front.starting import StartingApp
 from service.gc_heap import freeze_startup_heap
 
 log = structlog.get_logger(__name__)
@@ -122,15 +122,8 @@ class Ingress:
         if self.engine is None or self.front is None:  # still starting: nothing in flight
             self._connecting.cancel()
             return True
-        self.engine.begin_shutdown()
-        log.info("shutdown_started", requests_in_flight=self.engine.num_unfinished,
-                 timeout_s=timeout)
-        finished = await self.engine.wait_idle(timeout)
-        if not finished:
-            for conn in list(self.connections):
-                conn.abort_all()
-            self.front.openai.abort_all()
-            await self.engine.wait_idle(self.config.close_timeout)
+        finished = await self.engine.drain(timeout, self.config.close_timeout, None,
+                                           self.front.abort_all)
         await asyncio.gather(*(conn.shutdown() for conn in list(self.connections)),
                              return_exceptions=True)
         log.info("shutdown_finished", all_finished=finished)

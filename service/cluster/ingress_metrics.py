@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import PREFIX
+from service.engine.metrics import PREFIX
 
 
 class _DecisionCollector:

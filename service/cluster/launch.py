@@ -79,8 +79,7 @@ def proxy_address(requested: int) -> tuple[str, int]:
 
 def serve_cluster(a: argparse.Namespace) -> int:
     """Run the cluster until a signal; 0 on a clean stop. Raises ValueError for bad flags."""
-    from service.cli import engine_config, server_config
-    from service.cluster.config import cluster_config
+    from service.engine_args import cluster_config, engine_config, server_config
     from service.cluster.gate import GateProcess
 
     engine, net, cluster = engine_config(a), server_config(a), cluster_config(a)

@@ -66,7 +66,7 @@ class ReplicaInfo(Struct, frozen=True, kw_only=True):
     tokenizer: the engine's transformers tokenizer (pickled by Ray); vocab_size: ids
     must be below it; block_size: tokens per KV block (for the routing hashes);
     num_kv_blocks: the whole KV cache (a request must fit it alone); sampling_defaults:
-    what unset sampling parameters become (`service.generation_config.SamplingDefaults`,
+    what unset sampling parameters become (`service.engine.sampling_defaults.SamplingDefaults`,
     the model's generation config), applied at the ingress as the engine applies them.
     """
 

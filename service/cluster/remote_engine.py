@@ -1,10 +1,11 @@
 """RemoteEngine: the Engine's request API, served by engine replicas through Ray Serve.
 
-The ingress's socket actors (service/connection.py, service/responses/, unchanged)
-talk to this object as they talk to an in-process `Engine`: `add_request(...,
-sink=...)` -> prompt tokens, `abort(key)`, `model_name`, `max_model_len`,
-`kv_cache_tokens`, `tokenizer`, `sampling_defaults`, `metrics`. Admission's checks run here,
-with the engine's own Preprocessor (service.admission), before anything is routed:
+The ingress's front (service/front/, unchanged) talks to this object as it talks to an
+in-process `Engine`: both subclass `service.engine.client.EngineClient`
+(`add_request(EngineRequest, sink)` -> prompt tokens, `abort(key)`, `model_name`,
+`max_model_len`, `kv_cache_tokens`, `tokenizer`, `sampling_defaults`, `metrics`).
+Admission's checks run here, with the engine's own `service.engine.admission.Admission`,
+before anything is routed:
 
     params / messages / ids checked, cheap length bound, chat template + tokenizing
     in a thread pool (the engine's PromptTokenizer), prompt + max_tokens within the
@@ -32,23 +33,21 @@ import asyncio
 import contextvars
 import time
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from ray.exceptions import RayActorError
 
-from protocol import (ChatMessage, Delta, Done, DuplicateId, Error, InternalError,
-                      SamplingParams, ShuttingDown, Timings, Usage, error_from_frame)
-from service.admission import Preprocessor
-from service.drain import Drainable
+from protocol import (Delta, Done, DuplicateId, Error, InternalError, ShuttingDown, Timings,
+                      Usage, error_from_frame)
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.cluster.registry import routers_for
 from service.core.block_pool import KVBlockPool
-from service.request_stream import RequestStream, Sink
-from service.tokenize_prompt import PromptTokenizer
+from service.engine.admission import Admission
+from service.engine.client import EngineClient, EngineRequest
+from service.engine.stream import Sink
 
 log = structlog.get_logger(__name__)
 
@@ -102,8 +101,8 @@ class _Remote:
     task: asyncio.Task | None = field(default=None, repr=False)
 
 
-class RemoteEngine(Drainable):
-    """An `service.engine_client.EngineClient` for a deployment of EngineReplica (see
+class RemoteEngine(EngineClient):
+    """An `service.engine.client.EngineClient` for a deployment of EngineReplica (see
     the module docstring).
 
     Args:
@@ -129,10 +128,10 @@ class RemoteEngine(Drainable):
         self.sampling_defaults = info.sampling_defaults
         self.metrics = metrics
         # The engine's own admission checks and tokenizing (thread pool), for its model.
-        self._admission = Preprocessor(
-            PromptTokenizer(info.tokenizer, info.vocab_size), info.max_model_len,
-            info.num_kv_blocks, info.block_size, max_waiting_requests,
-            retry_after_ms=lambda: RETRY_AFTER_MS, defaults=info.sampling_defaults)
+        self._admission = Admission(
+            info.tokenizer, info.vocab_size, info.max_model_len, info.num_kv_blocks,
+            info.block_size, info.sampling_defaults, max_pending=max_waiting_requests,
+            retry_after_ms=lambda: RETRY_AFTER_MS)
         # A one-block pool, only for its block_hashes: the engine's own chained hash.
         self._hasher = KVBlockPool(1, info.block_size)
         self._instance = uuid.uuid4().hex[:8]  # engine keys unique across ingresses
@@ -200,36 +199,24 @@ class RemoteEngine(Drainable):
         self._admission.close()
 
     # ---- admission -------------------------------------------------------------------
-    async def add_request(self, *,
-                          messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
-                          prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                          params: SamplingParams | Mapping[str, Any] | None = None,
-                          request_id: str | None = None, client_id: str | None = None,
-                          sink: Sink | None = None, arrival_time: float | None = None,
-                          connection_id: str | None = None) -> RequestStream | int:
+    async def add_request(self, request: EngineRequest, sink: Sink) -> int:
         """Validate, tokenize and route one request; as `Engine.add_request` (same
         arguments, same errors, nothing queued when it raises), plus ReplicaFailed
         (retryable internal_error) when no replica could admit it."""
-        key = request_id or uuid.uuid4().hex
-        client_id = client_id or key
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        request = request.resolved()
+        key, client_id, arrival = request.request_id, request.client_id, request.arrival_time
+        assert key is not None and client_id is not None and arrival is not None
         self._check_accepting(key, client_id)
         self._admitting.add(key)
         try:
-            ids, params = await self._admission.prepare(
-                messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                params=params, client_id=client_id)
+            ids, params = await self._admission.prepare(request)
             self._check_accepting(key, client_id, admitting=True)
-            stream = None
-            if sink is None:
-                stream = RequestStream(client_id, len(ids))
-                sink = stream.put
-            request = ReplicaRequest(
+            routed = ReplicaRequest(
                 request_id=f"{self._instance}/{key}", client_id=client_id,
-                connection_id=connection_id, prompt_token_ids=ids, params=params,
+                connection_id=request.connection_id, prompt_token_ids=ids, params=params,
                 waited_s=time.monotonic() - arrival,
                 block_hashes=tuple(self._hasher.block_hashes(ids)))
-            send = asyncio.ensure_future(self._send(request))
+            send = asyncio.ensure_future(self._send(routed))
             try:
                 gen, admitted = await asyncio.shield(send)
             except asyncio.CancelledError:
@@ -237,7 +224,7 @@ class RemoteEngine(Drainable):
                 raise
         finally:
             self._admitting.discard(key)
-        live = _Remote(key, request.request_id, client_id, admitted.replica_id,
+        live = _Remote(key, routed.request_id, client_id, admitted.replica_id,
                        admitted.prompt_tokens, sink, arrival)
         self._live[key] = live
         self.metrics.routed(admitted.replica_id)
@@ -245,7 +232,7 @@ class RemoteEngine(Drainable):
                                                            name=f"conveyor-stream-{key}")
         self._tasks.add(live.task)
         live.task.add_done_callback(self._tasks.discard)
-        return stream if stream is not None else admitted.prompt_tokens
+        return admitted.prompt_tokens
 
     def _settle(self, send: asyncio.Future) -> None:
         """The caller left while `send` (an admission) ran: let it finish; a request a

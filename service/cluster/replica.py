@@ -28,9 +28,10 @@ import structlog
 from protocol import Done, ProtocolError
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.config import EngineConfig
-from service.engine import Engine
+from service.engine.client import EngineRequest
+from service.engine.engine import Engine
+from service.engine.stream import Event
 from service.gc_heap import freeze_startup_heap
-from service.request_stream import Event
 
 log = structlog.get_logger(__name__)
 
@@ -65,11 +66,11 @@ class EngineReplica:
             ready.set()
 
         try:
-            n = await self.engine.add_request(
+            n = await self.engine.add_request(EngineRequest(
                 prompt_token_ids=request.prompt_token_ids, params=request.params,
-                request_id=request.request_id, client_id=request.client_id, sink=sink,
+                request_id=request.request_id, client_id=request.client_id,
                 arrival_time=time.monotonic() - request.waited_s,
-                connection_id=request.connection_id)
+                connection_id=request.connection_id), sink)
         except ProtocolError as e:
             yield e.to_frame()
             return

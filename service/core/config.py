@@ -84,7 +84,7 @@ class ModelConfig:
         min_p) take their defaults, as vLLM's `--generation-config`: "auto" (the
         model's generation_config.json, else its model card's recommendation), "vllm"
         (neutral: temperature 1, top_p 1) or a PATH (a folder with
-        generation_config.json, or the file); see service/generation_config.py.
+        generation_config.json, or the file); see service/engine/sampling_defaults.py.
     batch_invariant: a request's output the same bits whatever else runs in its step and
         whatever came from the prefix cache: every linear layer through our row-invariant
         C++ kernels and every attention row through the C++ decode kernel (CPU, float32,

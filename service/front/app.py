@@ -6,7 +6,7 @@
                                 otherwise ("starting" while the reason starts so); never
                                 guarded (load balancers, orchestrators)
     GET  /metrics               Prometheus text (the engine's, or every replica's)
-    GET  /                      the built-in chat page (service/static/chat.html)
+    GET  /                      the built-in chat page (service/front/static/chat.html)
     WS   /v1/stream             the streaming protocol (PROTOCOL.md)
     WS   /v1/responses          the OpenAI Responses API's WebSocket mode
     GET  /v1/models             \\
@@ -14,7 +14,7 @@
     POST /v1/chat/completions    |
     POST /v1/completions        /
 
-Every route but /health is guarded (service/front/guard.py); the HTTP routes answer CORS
+Every route but /health is guarded (service/front/access.py); the HTTP routes answer CORS
 (preflights, Access-Control-Allow-Origin) for the allowed Origins. `build_app` makes the same
 app for `conveyor serve` (an Engine behind it) and the Ray ingress (a RemoteEngine).
 """
@@ -32,19 +32,18 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from service.auth import AccessPolicy
 from service.config import ServerConfig
-from service.connection import Connection
-from service.engine_client import EngineClient
-from service.front.guard import WWW_AUTHENTICATE, refusal
+from service.engine.client import EngineClient
+from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal
 from service.front.openai.errors import OpenAIError
 from service.front.openai.routes import OpenAIRoutes
-from service.front.sockets import SocketRoutes
-from service.responses import ResponsesConnection
+from service.front.ws.responses import ResponsesConnection
+from service.front.ws.routes import SocketRoutes
+from service.front.ws.stream import Connection
 
 STREAM_PATH = "/v1/stream"
 RESPONSES_PATH = "/v1/responses"
-CHAT_PAGE = Path(__file__).resolve().parent.parent / "static" / "chat.html"
+CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -55,6 +54,13 @@ class Front:
     app: Starlette
     sockets: SocketRoutes
     openai: OpenAIRoutes
+
+    def abort_all(self) -> None:
+        """Cancel every request of every socket and HTTP request (a drain's last resort;
+        each still ends with its Done, "cancelled")."""
+        for conn in list(self.sockets.connections):
+            conn.abort_all()
+        self.openai.abort_all()
 
 
 def build_app(engine: EngineClient, config: ServerConfig,

@@ -9,9 +9,9 @@
     server.attach(engine)            # from now on the front app serves every route
 
 uvicorn (HTTP/1.1 by httptools or h11; WebSockets by the websockets library, with
-Conveyor's socket settings: service/front/ws_protocol.py; `ws_impl`, default
+Conveyor's socket settings: service/front/ws/uvicorn_protocol.py; `ws_impl`, default
 $CONVEYOR_WS_IMPL or "websockets-sansio") serves `service.front.app`.
-uvicorn's own signal handling is off: the caller (`service.cli`) owns SIGTERM / SIGINT.
+uvicorn's own signal handling is off: the caller (`service.front.serve`) owns SIGTERM / SIGINT.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ import uvicorn
 
 from starlette.types import ASGIApp
 
-from service.auth import AccessPolicy
 from service.config import ServerConfig
-from service.engine_client import EngineClient
-from service.front.drain import drain
+from service.engine.client import EngineClient
+from service.front.access import AccessPolicy
 from service.front.app import STREAM_PATH, Front, build_app
 from service.front.starting import StartingApp
-from service.front.ws_protocol import ws_protocol
-from service.socket_actor import SocketActor
+from service.front.ws.actor import SocketActor
+from service.front.ws.uvicorn_protocol import ws_protocol
 
 log = structlog.get_logger(__name__)
 
@@ -163,18 +162,12 @@ class FrontServer:
         if self.engine is None:  # still starting: nothing in flight
             await self.close()
             return True
-        finished = await drain(self.engine, timeout, self.config.close_timeout, force,
-                               self._abort_all)
+        assert self.front is not None
+        finished = await self.engine.drain(timeout, self.config.close_timeout, force,
+                                           self.front.abort_all)
         await self.close()
         log.info("shutdown_finished", all_finished=finished)
         return finished
-
-    def _abort_all(self) -> None:
-        """Cancel every request of every connection (drain's last resort)."""
-        for conn in list(self.connections):
-            conn.abort_all()
-        if self.front is not None:
-            self.front.openai.abort_all()
 
     async def close(self) -> None:
         """Send what is queued, close every socket with 1001 and stop listening. Idempotent."""

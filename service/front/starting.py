@@ -1,7 +1,7 @@
 """What the front answers before its engine exists (the model is loading), as an ASGI app.
 
 Both servers bind their port before the model is loaded, so that /health answers from
-the first moment: `conveyor serve` (FrontServer started without an engine, service/cli.py)
+the first moment: `conveyor serve` (FrontServer started without an engine, service/front/serve.py)
 and the Ray ingress, whose RemoteEngine exists once a replica has loaded the model
 (service/cluster/ingress.py). Until then (afterwards the front app, service/front/app.py,
 serves every route) this app answers:
@@ -26,10 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from service.auth import AccessPolicy
-from service.front.guard import WWW_AUTHENTICATE, refusal
+from protocol import ShuttingDown
+from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal, refuse_socket
 from service.front.openai.errors import OpenAIError
-from service.front.sockets import CLOSE_TRY_AGAIN_LATER
 
 RETRY_AFTER_S = 5
 LOADING = "the model is loading; try again later"
@@ -69,19 +68,12 @@ class StartingApp:
             await self._http(Request(scope, receive))(scope, receive, send)
 
     async def _socket(self, ws: WebSocket) -> None:
-        refused = refusal(self.access, ws.headers, ws.url.query, ws.url.path)
-        if refused is not None:
-            status, message = refused
-            try:
-                await ws.send_denial_response(JSONResponse(
-                    {"error": message}, status, headers=WWW_AUTHENTICATE if status == 401
-                    else None))
-            except RuntimeError:  # a server that cannot answer a WebSocket with HTTP
-                await ws.close(1008, "refused")
+        if await refuse_socket(self.access, ws):
             return
         await ws.accept()
         _, failed, _ = self.state()
-        await ws.close(CLOSE_TRY_AGAIN_LATER, FAILED if failed else LOADING)
+        # unavailable for now, as a draining server is: 1013 "try again later"
+        await ws.close(ShuttingDown.close_code, FAILED if failed else LOADING)
 
     def _http(self, request: Request) -> Response:
         reason, failed, counts = self.state()

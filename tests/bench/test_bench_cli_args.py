@@ -9,7 +9,7 @@ from service.bench.compare import CompareSpec
 from service.bench.engine_args import serve_args
 from service.bench.plan import LoadPlan, auto_connections
 from service.bench.request_spec import RequestSpec
-from service.cli import build_parser as serve_parser
+from service.engine_args import build_parser as serve_parser
 
 SPEC = RequestSpec(7, (1, 2, 3), 4)
 

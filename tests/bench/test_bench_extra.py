@@ -20,7 +20,7 @@ def test_the_server_runtime_does_not_import_the_bench_packages():
     import subprocess
     import sys
 
-    code = ("import sys, service.server, service.engine, service.cli; "
+    code = ("import sys, service.front.server, service.engine.engine, service.cli; "
             "print(sorted(m for m in ('matplotlib', 'tqdm.std', 'service.bench.cli') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

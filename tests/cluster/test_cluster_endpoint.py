@@ -97,7 +97,7 @@ async def test_metrics_show_every_replica_and_the_router(cluster):
 
 async def test_greedy_outputs_equal_the_single_process_server(cluster, loaded_model):
     from service.engine import Engine
-    from service.server import ConveyorServer
+    from service.front.server import FrontServer
 
     async def run(url: str) -> list[tuple[str, list[int]]]:
         out = []
@@ -112,7 +112,7 @@ async def test_greedy_outputs_equal_the_single_process_server(cluster, loaded_mo
 
     from_cluster = await run(cluster.url)
     async with Engine(small_engine_config(), loaded=loaded_model) as engine:
-        server = await ConveyorServer(engine, ServerConfig(port=0)).start()
+        server = await FrontServer(engine, ServerConfig(port=0)).start()
         try:
             single = await run(server.url)
         finally:

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from tests.cluster.conftest import HAVE_RAY
+from service.engine.client import EngineRequest
 
 pytestmark = pytest.mark.skipif(not HAVE_RAY, reason="the cluster extra is not installed")
 
@@ -21,12 +22,12 @@ if HAVE_RAY:
     from protocol import (ContextLengthExceeded, Delta, Done, Error, InvalidRequest,
                           SamplingParams, ShuttingDown, Timings, Usage)
     from service.core.block_pool import KVBlockPool
-    from service.generation_config import SamplingDefaults
+    from service.engine.sampling_defaults import SamplingDefaults
     from service.cluster.ingress_metrics import IngressMetrics
     from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
     from service.cluster.remote_engine import RemoteEngine
-    from service.request_input import coerce_messages
-    from service.tokenize_prompt import PromptTokenizer
+    from service.engine.request_input import coerce_messages
+    from service.engine.request_input import PromptTokenizer
 
 
 DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="test") if HAVE_RAY else None
@@ -114,8 +115,8 @@ async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokeniz
     events: list = []
     messages = [{"role": "user", "content": "A question long enough to fill a few blocks of "
                                             "sixteen tokens each, and then some more words."}]
-    n = await engine.add_request(messages=messages, params={"max_tokens": 3}, request_id="c1/r1",
-                                 client_id="r1", sink=events.append)
+    n = await engine.add_request(EngineRequest(
+        messages=messages, params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), events.append)
     assert n == 41
     (request,), = handle.generate.calls
     assert isinstance(request, ReplicaRequest) and request.client_id == "r1"
@@ -134,15 +135,16 @@ async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokeniz
 async def test_bad_input_is_refused_before_anything_is_routed(hf_tokenizer):
     engine, handle = make_engine(hf_tokenizer, [])
     with pytest.raises(InvalidRequest) as e:
-        await engine.add_request(prompt="hi", params={"temperature": -1}, sink=print)
+        await engine.add_request(EngineRequest(prompt="hi", params={"temperature": -1}), print)
     assert e.value.param == "$.params.temperature"
     with pytest.raises(ContextLengthExceeded):
-        await engine.add_request(prompt="word " * 400, params={"max_tokens": 200}, sink=print)
+        await engine.add_request(EngineRequest(
+            prompt="word " * 400, params={"max_tokens": 200}), print)
     with pytest.raises(InvalidRequest):
-        await engine.add_request(prompt_token_ids=[49152], sink=print)
+        await engine.add_request(EngineRequest(prompt_token_ids=[49152]), print)
     engine.begin_shutdown()
     with pytest.raises(ShuttingDown):
-        await engine.add_request(prompt="hi", sink=print)
+        await engine.add_request(EngineRequest(prompt="hi"), print)
     assert handle.generate.calls == []
 
 
@@ -150,8 +152,8 @@ async def test_a_replica_dying_before_admission_is_skipped(hf_tokenizer):
     engine, handle = make_engine(hf_tokenizer, [
         FakeStream([], ActorDiedError()), FakeStream([Admitted(2, "B"), [done("r")]])])
     events: list = []
-    assert await engine.add_request(prompt="hi", request_id="k", client_id="r",
-                                    sink=events.append) == 2
+    assert await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append) == 2
     await drain(engine)
     assert len(handle.generate.calls) == 2 and events == [done("r")]
 
@@ -161,7 +163,7 @@ async def test_the_replicas_refusal_is_raised_as_its_error(hf_tokenizer):
                     message="needs more KV blocks than the whole cache", retryable=False)
     engine, _ = make_engine(hf_tokenizer, [FakeStream([refusal])])
     with pytest.raises(ContextLengthExceeded, match="KV blocks"):
-        await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=print)
+        await engine.add_request(EngineRequest(prompt="hi", request_id="k", client_id="r"), print)
     assert engine.num_unfinished == 0
 
 
@@ -170,7 +172,8 @@ async def test_death_mid_stream_is_a_retryable_error_then_done(hf_tokenizer):
                          [Delta(id="r", index=1, text="b", token_ids=[2])]], ActorDiedError())
     engine, _ = make_engine(hf_tokenizer, [stream])
     events: list = []
-    await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=events.append)
+    await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append)
     await drain(engine)
     *deltas, error, final = events
     assert len(deltas) == 2
@@ -192,7 +195,8 @@ async def test_abort_is_pinned_to_the_serving_replica(hf_tokenizer):
 
     engine, handle = make_engine(hf_tokenizer, [Slow([Admitted(5, "SERVE_REPLICA::a#E#x")])])
     events: list = []
-    await engine.add_request(prompt="hi", request_id="k", client_id="r", sink=events.append)
+    await engine.add_request(EngineRequest(
+        prompt="hi", request_id="k", client_id="r"), events.append)
     engine.abort("k")
     engine.abort("k")  # once is enough
     engine.abort("unknown")
@@ -241,9 +245,8 @@ async def test_a_request_cancelled_during_admission_is_counted_where_it_was_admi
     stream = GatedStream([first], gate)
     engine, handle = make_engine(hf_tokenizer, [stream])
     engine.metrics.track_in_flight(lambda: engine.num_unfinished)
-    task = asyncio.ensure_future(engine.add_request(
-        prompt="hello", params={"max_tokens": 3}, request_id="c1/r1", client_id="r1",
-        sink=lambda e: None))
+    task = asyncio.ensure_future(engine.add_request(EngineRequest(
+        prompt="hello", params={"max_tokens": 3}, request_id="c1/r1", client_id="r1"), lambda e: None))
     for _ in range(500):  # until the request is at the replica (tokenized, sent)
         await asyncio.sleep(0.01)
         if handle.generate.calls:

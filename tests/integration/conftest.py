@@ -64,13 +64,13 @@ def small_config():
 async def make_server(make_engine):
     """Factory: `await make_server(**engine kwargs)` -> (engine, server) on 127.0.0.1, port 0."""
     from service.config import ServerConfig
-    from service.server import ConveyorServer
+    from service.front.server import FrontServer
 
-    servers: list[ConveyorServer] = []
+    servers: list[FrontServer] = []
 
     async def make(server_config: ServerConfig | None = None, **kw):
         engine = await make_engine(**kw)
-        server = await ConveyorServer(engine, server_config or ServerConfig(port=0)).start()
+        server = await FrontServer(engine, server_config or ServerConfig(port=0)).start()
         servers.append(server)
         return engine, server
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from service.config import ServerConfig
 from service.engine import Engine
-from service.server import ConveyorServer
+from service.front.server import FrontServer
 from tests.integration.conftest import engine_config
 
 
 class ThreadedServer:
-    """`Engine` + `ConveyorServer` on an event loop in a daemon thread.
+    """`Engine` + `FrontServer` on an event loop in a daemon thread.
 
     `base_url` is http://127.0.0.1:PORT/v1 (the openai SDK's base_url); `call(fn)` runs a
     function on the server's loop and returns its result (to read engine state safely).
@@ -29,7 +29,7 @@ class ThreadedServer:
         self._server_config = server_config or ServerConfig(port=0)
         self._args = (loaded, engine_kw)
         self.engine: Engine | None = None
-        self.server: ConveyorServer | None = None
+        self.server: FrontServer | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="test-server")
 
     def start(self) -> ThreadedServer:
@@ -47,7 +47,7 @@ class ThreadedServer:
         try:
             async with Engine(engine_config(**kw), loaded=loaded) as engine:
                 self.engine = engine
-                self.server = await ConveyorServer(engine, self._server_config).start()
+                self.server = await FrontServer(engine, self._server_config).start()
                 self._ready.set_result(None)
                 await self._stop.wait()
                 await self.server.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.worker.cpu_threads import default_num_threads
-from service.llm import LLM
+from service.engine.llm import LLM
 
 pytestmark = pytest.mark.skipif(default_num_threads() < 2,
                                 reason="one CPU: nothing for the tuner to choose")

@@ -16,7 +16,7 @@ from kernels import decode_attention_cpu as dac
 from kernels import quant_linear_cpu as qlc
 from protocol import SamplingParams
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from service.llm import LLM
+from service.engine.llm import LLM
 from service.worker.quantization import choice
 from service.core.request import Request
 

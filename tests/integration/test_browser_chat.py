@@ -1,4 +1,4 @@
-"""The built-in chat page (service/static/chat.html) in headless Chromium against the real
+"""The built-in chat page (service/front/static/chat.html) in headless Chromium against the real
 server with the real model: streaming, Stop, multi-turn history, server errors, reconnects.
 
 Chromium is Debian's `chromium` package (browsers cannot be downloaded here), driven by
@@ -227,7 +227,7 @@ async def test_lost_connection_marks_interrupted_and_reconnects(make_server, bro
     from playwright.async_api import expect
 
     from service.config import ServerConfig
-    from service.server import ConveyorServer
+    from service.front.server import FrontServer
 
     page, sent, js_errors = browser_page
     engine, server = await make_server()
@@ -244,7 +244,7 @@ async def test_lost_connection_marks_interrupted_and_reconnects(make_server, bro
     await expect(page.get_by_role("button", name="Send")).to_be_disabled()
     await _wait_idle(engine)  # closing the socket cancelled the request
 
-    again = await ConveyorServer(engine, ServerConfig(port=port)).start()
+    again = await FrontServer(engine, ServerConfig(port=port)).start()
     try:
         await expect(page.locator("#status")).to_have_text("connected", timeout=WAIT_MS)
         await _ask(page, "Say hello.", max_tokens=4)

@@ -10,7 +10,7 @@ import pytest
 
 from kernels import decode_attention_cpu as dac
 from kernels.cpu_build import KernelLibrary
-from service.llm import LLM
+from service.engine.llm import LLM
 
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
 

@@ -132,7 +132,7 @@ def _first_diff(got: list[int], want: list[int]) -> str:
 
 
 def _llm(st: dict, mode: str | None):
-    from service.llm import LLM
+    from service.engine.llm import LLM
 
     return LLM(loaded=st["blocks"] if mode in ("auto", "auto-a8") else st["loaded"],
                quantization=mode, num_kv_blocks=256, max_num_seqs=8,

@@ -17,8 +17,9 @@ import websockets
 from protocol import ContextLengthExceeded, Done, connect
 from service.config import ServerConfig
 from service.engine import Engine
-from service.llm import LLM
-from service.server import ConveyorServer
+from service.engine.llm import LLM
+from service.engine.client import EngineRequest
+from service.front.server import FrontServer
 from tests.integration.conftest import engine_config
 
 pytestmark = pytest.mark.model
@@ -76,9 +77,8 @@ async def test_the_context_still_caps_the_default(tmp_path, loaded_model):
 async def test_without_max_new_tokens_an_unset_limit_is_256(tmp_path, loaded_model):
     engine = await Engine(_config(tmp_path, {"temperature": 0.5}), loaded=loaded_model).start()
     try:
-        params = (await engine._admission.prepare(messages=None, prompt=PROMPT,
-                                                  prompt_token_ids=None, params=None,
-                                                  client_id="x"))[1]
+        params = (await engine._admission.prepare(EngineRequest(prompt=PROMPT,
+                                                                client_id="x")))[1]
         assert params.max_tokens == 256
     finally:
         await engine.close()
@@ -87,7 +87,7 @@ async def test_without_max_new_tokens_an_unset_limit_is_256(tmp_path, loaded_mod
 async def test_stream_and_responses_sockets_default_to_max_new_tokens(tmp_path, loaded_model):
     engine = await Engine(_config(tmp_path, {"max_new_tokens": DEFAULT}),
                           loaded=loaded_model).start()
-    server = await ConveyorServer(engine, ServerConfig(port=0)).start()
+    server = await FrontServer(engine, ServerConfig(port=0)).start()
     try:
         async with await connect(server.url) as client:
             done = None

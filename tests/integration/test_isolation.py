@@ -17,6 +17,7 @@ from protocol import ContextLengthExceeded, Delta, Done, InvalidRequest, Samplin
 from service.config import ServerConfig
 from tests.integration.reliability_support import (RawClient, generate_frame, http_get,
                                                    wait_idle, wait_until)
+from service.engine.client import EngineRequest
 
 pytestmark = pytest.mark.model
 
@@ -64,7 +65,7 @@ async def test_in_process_engine_refuses_what_the_wire_refuses(make_engine):
                           (SamplingParams(min_p=-1.0), "$.params.min_p"),
                           ({"seed": HUGE}, "$.params.seed")):
         with pytest.raises(InvalidRequest) as e:
-            await engine.add_request(prompt="Hi", params=params)
+            await engine.open_stream(EngineRequest(prompt="Hi", params=params))
         assert e.value.param == param
     text, ids, done = await neighbour
     assert done.finish_reason == "length" and len(ids) == 10
@@ -89,7 +90,7 @@ async def test_plain_dict_messages_and_params_in_process(make_engine):
         params={"temperature": 0, "max_tokens": 30})
     assert "Paris" in text and done.usage.completion_tokens >= 1
     with pytest.raises(InvalidRequest, match="messages"):
-        await engine.add_request(messages=[("user", "hi")])
+        await engine.open_stream(EngineRequest(messages=[("user", "hi")]))
 
 
 async def test_huge_prompts_are_refused_without_freezing_other_clients(make_server):
@@ -154,8 +155,8 @@ async def test_control_tokens_in_a_message_are_plain_text(make_server, tokenizer
     assert role[0]["code"] == "invalid_request" and role[0]["param"] == "$.messages[0].role"
     await client.close()
     # the same in process
-    stream = await engine.add_request(messages=[{"role": "user", "content": EVIL}],
-                                      params={"max_tokens": 1})
+    stream = await engine.open_stream(EngineRequest(
+        messages=[{"role": "user", "content": EVIL}], params={"max_tokens": 1}))
     assert stream.prompt_tokens == expected
     async for _ in stream:
         pass
@@ -250,6 +251,7 @@ async def test_context_length_exceeded_for_a_huge_prompt_in_process(make_engine)
     engine = await make_engine()
     # "at least": refused from its length in characters, before any tokenizing
     with pytest.raises(ContextLengthExceeded, match="at least"):
-        await engine.add_request(prompt="word " * 2_000_000)
+        await engine.open_stream(EngineRequest(prompt="word " * 2_000_000))
     with pytest.raises(ContextLengthExceeded, match="at least"):
-        await engine.add_request(messages=[{"role": "user", "content": "word " * 2_000_000}])
+        await engine.open_stream(EngineRequest(
+            messages=[{"role": "user", "content": "word " * 2_000_000}]))

@@ -131,7 +131,7 @@ async def test_two_engines_on_one_directory_share_blocks_written_after_start_up(
 
 
 def test_the_offline_llm_keeps_its_prefix_on_disk_across_runs(loaded_model, tmp_path):
-    from service.llm import LLM
+    from service.engine.llm import LLM
 
     ids = list(loaded_model.tokenizer(PROMPT)["input_ids"])
     kw = dict(loaded=loaded_model, num_kv_blocks=256, kv_disk_path=str(tmp_path))

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from protocol import ChatMessage, Delta, Done, Overloaded, SamplingParams
+from service.engine.client import EngineRequest
 
 SYSTEM = (
     "You are the reference librarian of a small public library in a coastal town. "
@@ -96,9 +97,10 @@ async def test_full_admission_queue_answers_overloaded(make_engine):
     params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
     # token ids are admitted without a thread hop: no step runs between these three
     ids = engine.tokenizer.encode("Hello")
-    streams = [await engine.add_request(prompt_token_ids=ids, params=params) for _ in range(2)]
+    streams = [await engine.open_stream(EngineRequest(
+        prompt_token_ids=ids, params=params)) for _ in range(2)]
     with pytest.raises(Overloaded) as e:
-        await engine.add_request(prompt_token_ids=ids, params=params)
+        await engine.open_stream(EngineRequest(prompt_token_ids=ids, params=params))
     assert e.value.retry_after_ms >= 100 and e.value.to_frame().retryable
     for s in streams:
         async for _ in s:
@@ -113,4 +115,5 @@ async def test_request_larger_than_the_whole_pool_is_rejected(make_engine):
 
     engine = await make_engine(num_kv_blocks=4)  # 64 tokens in all
     with pytest.raises(ContextLengthExceeded, match="KV blocks"):
-        await engine.add_request(prompt="Hello", params=SamplingParams(max_tokens=100))
+        await engine.open_stream(EngineRequest(
+            prompt="Hello", params=SamplingParams(max_tokens=100)))

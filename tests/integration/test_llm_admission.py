@@ -1,4 +1,4 @@
-"""`LLM` admits through the Engine's Preprocessor, on the real model: a request larger
+"""`LLM` admits through the Engine's Admission, on the real model: a request larger
 than the whole KV pool is refused at once (it used to wait forever in the scheduler)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from protocol import ContextLengthExceeded
-from service.llm import LLM
+from service.engine.llm import LLM
 
 pytestmark = pytest.mark.model
 

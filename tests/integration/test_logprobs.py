@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from protocol import Delta, Done, InvalidRequest, SamplingParams
-from service.llm import LLM
+from service.engine.llm import LLM
+from service.engine.client import EngineRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was"
 ATOL = 2e-3  # fp32 engine against fp32 transformers: logits agree to 2e-4 (test_oracle)
@@ -113,7 +114,7 @@ async def test_logprobs_out_of_range_are_refused(make_engine, tokenizer):
     engine = await make_engine()
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(InvalidRequest) as e:
-            await engine.add_request(prompt="Hi", params={name: 21})
+            await engine.open_stream(EngineRequest(prompt="Hi", params={name: 21}))
         assert e.value.param == f"$.params.{name}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from protocol import Done, SamplingParams
+from service.engine.client import EngineRequest
 
 
 async def test_priority_request_overtakes_running_low_priority_ones(make_engine):
@@ -22,13 +23,13 @@ async def test_priority_request_overtakes_running_low_priority_ones(make_engine)
 
     low = SamplingParams(max_tokens=64, ignore_eos=True, priority=5, temperature=0)
     for i in range(4):
-        await engine.add_request(prompt=f"Story number {i}:", params=low, request_id=f"low{i}",
-                                 sink=sink_for(f"low{i}"))
+        await engine.add_request(EngineRequest(
+            prompt=f"Story number {i}:", params=low, request_id=f"low{i}"), sink_for(f"low{i}"))
     while engine.num_steps < 3:  # two low ones running, two waiting
         await asyncio.sleep(0.01)
     high = SamplingParams(max_tokens=8, ignore_eos=True, priority=0, temperature=0)
-    await engine.add_request(prompt="Quick:", params=high, request_id="high",
-                             sink=sink_for("high"))
+    await engine.add_request(EngineRequest(
+        prompt="Quick:", params=high, request_id="high"), sink_for("high"))
     await asyncio.wait_for(done_all.wait(), 1800)
     assert finished[0] == "high", finished
     assert engine.scheduler.num_preemptions >= 1
@@ -51,10 +52,8 @@ async def _exercise(engine) -> tuple[float, float]:
     for i in range(10):  # token ids: admitted at once, so all 10 arrive before a step
         n = 100 if i >= 8 else 10
         ids = engine.tokenizer.encode(f"Request {i}: tell me something.")
-        await engine.add_request(prompt_token_ids=ids, request_id=f"r{i}",
-                                 params=SamplingParams(max_tokens=n, ignore_eos=True,
-                                                       temperature=0),
-                                 sink=sink_for(f"r{i}"))
+        await engine.add_request(EngineRequest(prompt_token_ids=ids, request_id=f"r{i}", params=SamplingParams(max_tokens=n, ignore_eos=True,
+                                                       temperature=0)), sink_for(f"r{i}"))
     start = engine.num_steps
     await asyncio.wait_for(all_done.wait(), 1800)
     short = [done_step[f"r{i}"] - start for i in range(8)]

@@ -30,7 +30,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from service.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
 from service.engine import Engine
-from service.server import ConveyorServer
+from service.front.server import FrontServer
 
 from tests.integration.reliability_support import RawClient, wait_idle, wait_until
 
@@ -71,9 +71,9 @@ def live(loaded_model):
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128,
                                                     max_waiting_requests=6))
 
-    async def start() -> tuple[Engine, ConveyorServer]:
+    async def start() -> tuple[Engine, FrontServer]:
         engine = await Engine(config, loaded=loaded_model).start()
-        server = await ConveyorServer(engine, ServerConfig(port=0, max_requests_per_connection=3,
+        server = await FrontServer(engine, ServerConfig(port=0, max_requests_per_connection=3,
                                                            close_timeout=5)).start()
         return engine, server
 
@@ -117,7 +117,7 @@ def check_request_frames(rid: str, frames: list[dict]) -> bool:
 class Conversations(RuleBasedStateMachine):
     """Random clients doing random things to one running server."""
 
-    live: tuple[LoopThread, Engine, ConveyorServer]  # set by the test before running
+    live: tuple[LoopThread, Engine, FrontServer]  # set by the test before running
     clients = Bundle("clients")
 
     def __init__(self) -> None:

@@ -13,10 +13,11 @@ import pytest
 
 from protocol import (Accepted, Delta, Done, InternalError, Pong, Timings, Usage,
                       decode_server_frame)
-from service.auth import AccessPolicy, RedactingLogger, normalize_origin, redact
-from service.cli import build_parser, on_shutdown_signals, server_config
+from service.front.access import AccessPolicy, RedactingLogger, normalize_origin, redact
+from service.engine_args import build_parser, server_config
+from service.front.serve import on_shutdown_signals
 from service.config import ServerConfig
-from service.outbox import DELTA_OVERHEAD_BYTES, Outbox
+from service.front.ws.outbox import DELTA_OVERHEAD_BYTES, Outbox
 
 
 def _delta(rid: str, index: int, text: str, tok: int) -> Delta:

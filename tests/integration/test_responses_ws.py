@@ -21,7 +21,7 @@ from openai.types.responses.responses_server_event import ResponsesServerEvent
 from pydantic import TypeAdapter
 
 from service.bench.server_process import ServerProcess
-from service.responses.connection import BUSY_CODE
+from service.front.ws.responses.connection import BUSY_CODE
 
 pytestmark = pytest.mark.model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.llm import LLM
+from service.engine.llm import LLM
 
 
 def test_triton_backend_greedy_equals_torch(loaded_model, tokenizer):

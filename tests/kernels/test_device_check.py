@@ -93,9 +93,9 @@ def test_e2e_records_construction_errors_and_import_failure(device_check, monkey
     assert "kernel exploded" in result["runs"]["cpu/triton"]["error"]
     assert result["compared"] is False and result["all_identical"] is False
 
-    monkeypatch.setitem(sys.modules, "service.llm", None)
+    monkeypatch.setitem(sys.modules, "service.engine.llm", None)
     result = device_check.e2e_greedy(plan)
-    assert result["compared"] is False and "service.llm" in result["import_error"]
+    assert result["compared"] is False and "service.engine.llm" in result["import_error"]
 
 
 def test_first_divergence(device_check) -> None:

@@ -176,7 +176,7 @@ def test_absent_prompt_forms_and_default_params_are_omitted() -> None:
 
 def test_sampling_params_defaults_are_the_protocol_table() -> None:
     # max_tokens, temperature, top_p, top_k, min_p: None = unset, filled from the model's
-    # generation config by the engine (service/generation_config.py); max_tokens else 256
+    # generation config by the engine (service/engine/sampling_defaults.py); max_tokens else 256
     assert msgspec.structs.asdict(SamplingParams()) == {
         "max_tokens": None,
         "temperature": None,

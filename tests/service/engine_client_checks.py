@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from protocol import (ContextLengthExceeded, Delta, Done, InvalidRequest, ShuttingDown)
-from service.engine_client import ENGINE_CLIENT_MEMBERS, EngineClient
-from service.request_stream import RequestStream
+from service.engine.client import ENGINE_CLIENT_MEMBERS, EngineClient
+from service.engine.stream import RequestStream
+from service.engine.client import EngineRequest
 
 
 async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> None:
@@ -27,10 +28,8 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
 
     # by sink: the prompt length comes back, then every event goes to the sink
     events: list = []
-    n = await engine.add_request(prompt="Once upon a time", request_id="k1", client_id="r1",
-                                 sink=events.append,
-                                 params={"max_tokens": max_tokens, "ignore_eos": True,
-                                         "temperature": 0})
+    n = await engine.add_request(EngineRequest(prompt="Once upon a time", request_id="k1", client_id="r1", params={"max_tokens": max_tokens, "ignore_eos": True,
+                                         "temperature": 0}), events.append)
     assert isinstance(n, int) and n > 0
     assert await engine.wait_idle(60)
     assert isinstance(events[-1], Done) and events[-1].id == "r1"
@@ -39,17 +38,17 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
     assert sum(len(d.token_ids) for d in deltas) == events[-1].usage.completion_tokens \
         == max_tokens
     # by stream
-    stream = await engine.add_request(messages=[{"role": "user", "content": "Hi"}],
-                                      params={"max_tokens": 2, "ignore_eos": True})
+    stream = await engine.open_stream(EngineRequest(
+        messages=[{"role": "user", "content": "Hi"}],
+        params={"max_tokens": 2, "ignore_eos": True}))
     assert isinstance(stream, RequestStream)
     got = [e async for e in stream]
     assert isinstance(got[-1], Done) and got[-1].usage.completion_tokens == 2
 
     # logprobs: one score per token, the prompt's with the first delta (through Ray too)
-    stream = await engine.add_request(prompt="One, two, three,",
-                                      params={"max_tokens": 3, "ignore_eos": True,
+    stream = await engine.open_stream(EngineRequest(prompt="One, two, three,", params={"max_tokens": 3, "ignore_eos": True,
                                               "temperature": 0, "logprobs": 2,
-                                              "prompt_logprobs": 1})
+                                              "prompt_logprobs": 1}))
     got = [e async for e in stream]
     deltas = [e for e in got if isinstance(e, Delta)]
     assert deltas[0].prompt_logprobs is not None and deltas[0].prompt_logprobs[0] is None
@@ -62,20 +61,18 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
 
     # refusals, before anything is queued
     with pytest.raises(InvalidRequest) as e:
-        await engine.add_request(prompt="hi", params={"temperature": -1}, sink=print)
+        await engine.add_request(EngineRequest(prompt="hi", params={"temperature": -1}), print)
     assert e.value.param == "$.params.temperature"
     too_many = engine.kv_cache_tokens + 1
     with pytest.raises(ContextLengthExceeded):
-        await engine.add_request(prompt_token_ids=[1, 2, 3], params={"max_tokens": too_many},
-                                 sink=print)
+        await engine.add_request(EngineRequest(
+            prompt_token_ids=[1, 2, 3], params={"max_tokens": too_many}), print)
 
     # abort mid-stream
     events = []
-    await engine.add_request(prompt="Count to a thousand:", request_id="k2", client_id="r2",
-                             sink=events.append,
-                             params={"max_tokens": min(engine.max_model_len,
+    await engine.add_request(EngineRequest(prompt="Count to a thousand:", request_id="k2", client_id="r2", params={"max_tokens": min(engine.max_model_len,
                                                        engine.kv_cache_tokens) - 64,
-                                     "ignore_eos": True})
+                                     "ignore_eos": True}), events.append)
     await asyncio.sleep(0.05)
     engine.abort("k2")
     engine.abort("no-such-request")
@@ -89,5 +86,5 @@ async def check_engine_client(engine: EngineClient, *, max_tokens: int = 4) -> N
     engine.begin_shutdown()
     assert not engine.accepting and not engine.health()[0]
     with pytest.raises(ShuttingDown):
-        await engine.add_request(prompt="hi", sink=print)
+        await engine.add_request(EngineRequest(prompt="hi"), print)
     assert await engine.wait_idle(1) and engine.num_unfinished == 0

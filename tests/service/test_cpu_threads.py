@@ -114,7 +114,7 @@ def test_num_threads_config() -> None:
 
 
 def test_num_threads_flag_reaches_the_config() -> None:
-    from service.cli import build_parser, engine_config
+    from service.engine_args import build_parser, engine_config
 
     a = build_parser().parse_args(["serve", "--num-threads", "3"])
     assert engine_config(a).model.num_threads == 3

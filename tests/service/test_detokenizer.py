@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from service.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from service.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 
 EOS_ID = 2  # <|im_end|> in SmolLM2-Instruct
 REPLACEMENT = "\ufffd"

@@ -10,7 +10,7 @@ import pytest
 from protocol import ContextLengthExceeded, InvalidRequest
 from service.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from service.engine import Engine
-from service.llm import LLM
+from service.engine.llm import LLM
 from tests.service.engine_client_checks import check_engine_client
 from tests.support.tiny_model import TinyRunner
 

@@ -13,6 +13,7 @@ from protocol import Delta, Done, Error, InternalError, InvalidRequest, Sampling
 from service.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from service.engine import Engine
 from tests.support.tiny_model import EOS, TinyRunner
+from service.engine.client import EngineRequest
 
 
 def config(**sched) -> EngineConfig:
@@ -76,7 +77,7 @@ async def test_plain_dicts_for_messages_and_params(make):
 async def test_in_process_params_are_checked_as_the_wire_checks_them(make, params, param):
     engine = await make()
     with pytest.raises(InvalidRequest) as e:
-        await engine.add_request(prompt="hello", params=params)
+        await engine.open_stream(EngineRequest(prompt="hello", params=params))
     assert e.value.param == param, e.value
     assert engine.num_unfinished == 0 and not engine.core.has_unfinished()
 
@@ -94,7 +95,7 @@ async def test_in_process_params_are_checked_as_the_wire_checks_them(make, param
 async def test_bad_prompt_shapes_name_the_argument(make, kw, param):
     engine = await make()
     with pytest.raises(InvalidRequest) as e:
-        await engine.add_request(**kw)
+        await engine.open_stream(EngineRequest(**kw))
     assert e.value.param is not None and e.value.param.startswith(param), e.value
 
 
@@ -104,7 +105,8 @@ async def test_a_bad_request_never_harms_one_running_beside_it(make):
                                                                     "temperature": 0}))
     await asyncio.sleep(0.01)
     with pytest.raises(InvalidRequest):
-        await engine.add_request(prompt="x", params=SamplingParams(temperature=math.nan))
+        await engine.open_stream(EngineRequest(
+            prompt="x", params=SamplingParams(temperature=math.nan)))
     text, _, done, errors = await good
     assert done.finish_reason == "length" and len(text) == 30 and not errors
 
@@ -125,7 +127,8 @@ async def test_stop_token_ids_are_not_sent(make):
 async def test_abort_races_with_admission_and_steps(make):
     engine = await make()
     for delay in (0, 0.0, 0.001, 0.01):
-        stream = await engine.add_request(prompt="x" * 40, params={"max_tokens": 1500})
+        stream = await engine.open_stream(EngineRequest(
+            prompt="x" * 40, params={"max_tokens": 1500}))
         if delay:
             await asyncio.sleep(delay)
         engine.abort(stream.request_id)
@@ -206,7 +209,7 @@ async def test_schedule_and_output_faults_are_pinned_too(make, where):
 
 async def test_if_the_loop_dies_everyone_gets_an_end_and_health_says_why(make):
     engine = await make()
-    stream = await engine.add_request(prompt="x", params={"max_tokens": 1000})
+    stream = await engine.open_stream(EngineRequest(prompt="x", params={"max_tokens": 1000}))
     await asyncio.sleep(0.01)
 
     def broken(results):
@@ -219,7 +222,7 @@ async def test_if_the_loop_dies_everyone_gets_an_end_and_health_says_why(make):
     ok, why = engine.health()
     assert not ok and "a bug in the loop itself" in why
     with pytest.raises(InternalError):
-        await engine.add_request(prompt="y")
+        await engine.open_stream(EngineRequest(prompt="y"))
 
 
 async def test_a_stalled_step_makes_health_false_while_it_lasts(make):
@@ -240,7 +243,7 @@ async def test_a_stalled_step_makes_health_false_while_it_lasts(make):
 
 async def test_close_cancels_everything_in_flight(make):
     engine = await make()
-    streams = [await engine.add_request(prompt=f"p{i}", params={"max_tokens": 500})
+    streams = [await engine.open_stream(EngineRequest(prompt=f"p{i}", params={"max_tokens": 500}))
                for i in range(3)]
     await asyncio.sleep(0.01)
     await engine.close()

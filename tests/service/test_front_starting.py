@@ -12,7 +12,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from service.auth import AccessPolicy
+from service.front.access import AccessPolicy
 from service.front.starting import StartingApp
 
 KEY = "k-1"

@@ -8,7 +8,7 @@ import pytest
 
 from protocol import SamplingParams, decode_client_frame
 from service.config import ModelConfig
-from service.generation_config import SamplingDefaults, load_sampling_defaults
+from service.engine.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 SMOL = "SmolLM2-135M-Instruct"
 
@@ -65,7 +65,7 @@ def test_config_and_cli_carry_the_option() -> None:
     assert ModelConfig().generation_config == "auto"
     with pytest.raises(ValueError, match="generation_config"):
         ModelConfig(generation_config="")
-    from service.cli import build_parser, engine_config
+    from service.engine_args import build_parser, engine_config
 
     a = build_parser().parse_args(["serve", "--generation-config", "vllm"])
     assert engine_config(a).model.generation_config == "vllm"

@@ -32,7 +32,7 @@ def test_core_and_protocol_need_only_msgspec():
     code = """
 import pkgutil, importlib
 import service, service.core, protocol.messages, protocol.errors, protocol.codec
-import service.request_input
+import service.engine.request_input
 for m in pkgutil.iter_modules(service.core.__path__):
     importlib.import_module("service.core." + m.name)
 from service.core.engine_core import EngineCore

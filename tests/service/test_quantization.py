@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.cli import add_engine_args, engine_config
+from service.engine_args import add_engine_args, engine_config
 from service.config import ModelConfig
 from service.worker.quantization.isa import int8_isa
 from service.worker.quantization import (AmaxObserver, DenseLinear, Int8Linear,

@@ -14,10 +14,10 @@ from pydantic import TypeAdapter
 
 from protocol import ChatMessage, Delta, Done, Error, Timings, Usage, encode
 from protocol.responses_request import parse_client_frame
-from service.outbox import Outbox
-from service.responses.context import context_after
-from service.responses.run import ResponseRun
-from service.responses.store import ResponseStore, StoredResponse
+from service.front.ws.outbox import Outbox
+from service.front.ws.responses.context import context_after
+from service.front.ws.responses.run import ResponseRun
+from service.front.ws.responses.store import ResponseStore, StoredResponse
 
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)
 TEXT_ORDER = ["response.created", "response.in_progress", "response.output_item.added",

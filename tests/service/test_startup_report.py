@@ -13,7 +13,7 @@ import torch
 
 from service.cluster.config import ClusterConfig
 from service.cluster.launch import routing_note
-from service.metrics import EngineMetrics
+from service.engine.metrics import EngineMetrics
 from service.worker.quantization import choice
 from service.worker.quantization.census import layer_formats, weight_format
 from service.worker.quantization.linear import DenseLinear

@@ -15,6 +15,10 @@
 | 503 | service_unavailable | shutting down, with Retry-After |
 | 500 | server_error | the engine failed |
 
+An engine refusal's status is its error class's (`protocol.errors`: the one status table,
+which the Responses route and the WebSocket routes read too); `ERROR_TYPES` gives
+OpenAI's `type` for each status.
+
 An error once an SSE stream has begun is its last `data:` chunk (this body), then
 `data: [DONE]`.
 """
@@ -25,15 +29,13 @@ import math
 
 from starlette.responses import JSONResponse
 
-from protocol import Error, Overloaded, ProtocolError
+from protocol import Error, Overloaded, ProtocolError, status_of
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable", 500: "server_error"}
-_STATUS = {"invalid_request": 400, "duplicate_id": 400, "context_length_exceeded": 400,
-           "overloaded": 429, "too_many_requests": 429, "shutting_down": 503,
-           "unauthorized": 401, "internal_error": 500}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+"""OpenAI's error `type` for each HTTP status (the HTTP API's and the Responses API's)."""
 SHUTDOWN_RETRY_AFTER_S = 5
 
 
@@ -51,8 +53,9 @@ class OpenAIError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = None
@@ -86,7 +89,7 @@ def from_protocol(e: ProtocolError | Error, renames: dict[str, str],
     """The OpenAI error for an engine refusal (a ProtocolError or an `error` event).
     prompt_field: the request's prompt field ("messages", "prompt"), named as `param` when
     the prompt alone is over the context (OpenAI's own param there) rather than max_tokens."""
-    status = _STATUS.get(e.code, 500)
+    status = status_of(e.code)
     retry = None
     if isinstance(e, Overloaded) or e.code in ("overloaded", "too_many_requests"):
         ms = getattr(e, "retry_after_ms", None) or 1000

@@ -48,7 +48,7 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 class Plan:
     """What one HTTP request asks for.
 
-    prompts: add_request keyword sets (`messages=`, `prompt=` or `prompt_token_ids=`), one
+    prompts: EngineRequest prompt fields (`messages=`, `prompt=` or `prompt_token_ids=`), one
         per prompt; choices: len(prompts) x n, choice index = prompt index x n + j.
     params: SamplingParams fields (the engine checks them); renames: our param -> the
         field the client named (for error `param`s).

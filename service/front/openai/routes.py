@@ -21,10 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from service.auth import AccessPolicy
 from service.config import ServerConfig
-from service.engine_client import EngineClient
-from service.front.guard import WWW_AUTHENTICATE, refusal
+from service.engine.client import EngineClient
+from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal
 from service.front.openai.errors import OpenAIError
 from service.front.openai.request import Plan, chat_plan, check_model_name, completion_plan
 from service.front.openai.run import Run

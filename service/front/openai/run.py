@@ -1,8 +1,8 @@
 """One OpenAI HTTP request in flight: its choices as engine requests, their events, and
 the response built from them (one JSON body, or SSE chunks).
 
-Each choice is one engine request (`add_request(..., sink=...)`); the n choices of a
-prompt share its prefix in the KV cache (prefix caching). Every event lands in one queue
+Each choice is one engine request (`add_request(EngineRequest(...), sink)`); the n
+choices of a prompt share its prefix in the KV cache (prefix caching). Every event lands in one queue
 as (choice index, event). A client that goes away (the ASGI `http.disconnect`, watched
 by a task of its own) aborts every choice still running: their KV blocks return within
 a step, as a closed WebSocket's do.
@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from protocol import Delta, Done, Error, ProtocolError
-from service.engine_client import EngineClient
+from service.engine.client import EngineClient, EngineRequest
 from service.front.openai.errors import OpenAIError, from_protocol
 from service.front.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from service.front.openai.request import Plan
@@ -66,9 +66,9 @@ class Run:
                     params["seed"] = (params["seed"] + i % plan.n + 2**63) % 2**64 - 2**63
                 key = f"{self.id}/{i}"
                 self.keys.append(key)
-                await self.engine.add_request(**prompt, params=params, request_id=key,
-                                              client_id=key, sink=self._sink(i),
-                                              connection_id=self.id)
+                await self.engine.add_request(EngineRequest(
+                    **prompt, params=params, request_id=key, client_id=key,
+                    connection_id=self.id), self._sink(i))
         except ProtocolError as e:
             self.keys.pop()  # never queued
             self.abort()

@@ -12,7 +12,7 @@ connection then closes the socket with 1008 and cancels its requests).
                               ^ a new delta of r1 is appended here while it waits
 
 Other protocols' text deltas (e.g. the Responses API's `response.output_text.delta`,
-service/responses/) merge the same way through the `Appendable` protocol, but only
+service/front/ws/responses/) merge the same way through the `Appendable` protocol, but only
 into the last queued frame: their events are numbered in order (`sequence_number`),
 so a delta may only grow the frame that is still the newest of its stream.
 """

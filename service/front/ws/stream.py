@@ -1,5 +1,6 @@
-"""Connection actor: one per WebSocket. Decodes frames, hands requests to the engine,
-writes each request's events to the socket through its bounded Outbox.
+"""The `/v1/stream` connection actor (PROTOCOL.md): one per WebSocket. Decodes frames,
+hands requests to the engine, writes each request's events to the socket through its
+bounded Outbox.
 
 A bad frame gets an `error` (`invalid_request`) and the socket stays open. Closing
 the socket, cleanly or not (no close frame, a reset, a keepalive timeout), cancels
@@ -18,8 +19,9 @@ import structlog
 from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
                       InternalError, InvalidRequest, Ping, Pong, ProtocolError, TooManyRequests,
                       decode_client_frame)
-from service.request_stream import Event
-from service.socket_actor import CLOSE_GOING_AWAY, CLOSE_POLICY_VIOLATION, SocketActor
+from service.engine.client import EngineRequest
+from service.engine.stream import Event
+from service.front.ws.actor import CLOSE_GOING_AWAY, CLOSE_POLICY_VIOLATION, SocketActor
 
 log = structlog.get_logger(__name__)
 
@@ -110,10 +112,10 @@ class Connection(SocketActor):
             self.outbox.put(event)
 
         try:
-            n = await self.engine.add_request(
+            n = await self.engine.add_request(EngineRequest(
                 messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
                 params=msg.params, request_id=self._key(client_id), client_id=client_id,
-                sink=sink, arrival_time=received, connection_id=self.conn_id)
+                arrival_time=received, connection_id=self.conn_id), sink)
         except ProtocolError as e:
             self.in_flight.discard(client_id)
             self.outbox.put(e.to_frame())

@@ -9,6 +9,6 @@
 Frames are protocol/responses.py (events) and protocol/responses_request.py (create).
 """
 
-from service.responses.connection import ResponsesConnection
+from service.front.ws.responses.connection import ResponsesConnection
 
 __all__ = ["ResponsesConnection"]

@@ -1,4 +1,6 @@
-"""Access checks before the WebSocket upgrade: the API key and the browser's Origin.
+"""Who may use a route: the API key and the browser's Origin, checked before any route
+runs. Every route but /health is guarded: a WebSocket is refused before its upgrade (HTTP
+403 / 401), an OpenAI HTTP route answers OpenAI's error body (`service.front.openai.errors`).
 
 The key comes from `Authorization: Bearer <key>` (programs) or from an `api_key`
 query parameter (browsers: the WebSocket API cannot set headers, so the chat page
@@ -17,11 +19,20 @@ The server's own origin is not implied: list it to use the chat page (an implied
 from __future__ import annotations
 
 import hmac
+import http
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+import structlog
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket
+
+from protocol import Unauthorized
+
+log = structlog.get_logger(__name__)
 
 _REDACT = re.compile(r"(?i)(api_key=)[^&\s]*|(authorization:?\s*(?:bearer\s+)?)\S+")
 
@@ -104,3 +115,42 @@ class RedactingLogger(logging.LoggerAdapter):
             return
         text = str(msg) % args if args else str(msg)
         self.logger.log(level, redact(text), **kwargs)
+
+
+KEY_HINT = ("missing or wrong API key: send 'Authorization: Bearer <key>' "
+            "or add ?api_key=<key> to the URL")
+
+
+def refusal(access: AccessPolicy, headers: Mapping[str, str], query: str,
+            route: str) -> tuple[int, str] | None:
+    """(HTTP status, message) when the request may not use `route`, else None.
+
+    headers: the request's headers (case-insensitive lookup, as Starlette's);
+    query: the raw query string (`api_key=` is read from it)."""
+    origin = headers.get("origin")
+    if not access.origin_allowed(origin):
+        log.warning("request_refused", status=403, route=route, origin=origin)
+        return http.HTTPStatus.FORBIDDEN, f"origin {origin!r} is not allowed"
+    if not access.key_ok(headers.get("authorization"), query):
+        log.warning("request_refused", status=401, route=route)
+        return http.HTTPStatus.UNAUTHORIZED, KEY_HINT
+    return None
+
+
+WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
+
+
+async def refuse_socket(access: AccessPolicy, ws: WebSocket) -> bool:
+    """Refuse `ws` before its upgrade when it may not connect (HTTP 403 / 401 with a JSON
+    body, or close code 1008 where the server cannot answer a WebSocket with HTTP); True
+    when it was refused."""
+    refused = refusal(access, ws.headers, ws.url.query, ws.url.path)
+    if refused is None:
+        return False
+    status, message = refused
+    try:
+        await ws.send_denial_response(JSONResponse(
+            {"error": message}, status, headers=WWW_AUTHENTICATE if status == 401 else None))
+    except RuntimeError:  # a server that cannot answer a WebSocket with HTTP
+        await ws.close(Unauthorized.close_code, "refused")
+    return True

@@ -1,7 +1,7 @@
 """The actor of one `/v1/responses` socket (the OpenAI Responses API's WebSocket mode).
 
 Frames in: `response.create` (protocol/responses_request.py). Events out: the Responses
-streaming events of each response (service/responses/run.py), through the socket's
+streaming events of each response (service/front/ws/responses/run.py), through the socket's
 bounded outbox; the life cycle, slow-reader handling and close codes are
 `SocketActor`'s, the same as `/v1/stream`'s.
 
@@ -10,14 +10,14 @@ bounded outbox; the life cycle, slow-reader handling and close codes are
   and the response in flight goes on. At most `max_requests_per_connection` lanes are
   busy at once (`too_many_requests` beyond).
 - `previous_response_id` continues a completed response of this connection from its
-  stored context (service/responses/store.py, bounded by `responses_max_stored` and
+  stored context (service/front/ws/responses/store.py, bounded by `responses_max_stored` and
   `responses_max_stored_tokens`); an unknown id gets `previous_response_not_found`.
 - `generate: false` (warm-up) prefills the context into the prefix cache: the engine
   runs the prompt with max_tokens=1 and the one sampled token is dropped; the response
   completes with no output and can be continued.
-- An unset `max_output_tokens` means the rest of the context (max_model_len, or the whole
-  KV cache when smaller, minus the prompt), or the model's generation config
-  `max_new_tokens` when that is smaller (vLLM's default output limit).
+- An unset `max_output_tokens` is left to the engine's admission, as an unset
+  `max_tokens` is on every route: the model's generation config `max_new_tokens` capped
+  by what the context (or a smaller whole KV cache) leaves after the input, else 256.
 - Closing the socket cancels the responses in flight; the engine frees their KV blocks
   before its next step. Errors never close the socket.
 """
@@ -31,10 +31,12 @@ import structlog
 
 from protocol import ChatMessage, ContextLengthExceeded, Done, InvalidRequest, ProtocolError
 from protocol.responses_request import CreateRequest, ResponsesError, parse_client_frame
-from service.responses.context import build_prompt, context_after, prompt_tokenizer
-from service.responses.run import ResponseRun, new_response_id
-from service.responses.store import ResponseStore
-from service.socket_actor import SocketActor
+from service.engine.client import EngineRequest
+from service.front.openai.errors import ERROR_TYPES
+from service.front.ws.actor import SocketActor
+from service.front.ws.responses.context import build_prompt, context_after, prompt_tokenizer
+from service.front.ws.responses.run import ResponseRun, new_response_id
+from service.front.ws.responses.store import ResponseStore
 
 log = structlog.get_logger(__name__)
 
@@ -44,20 +46,12 @@ BUSY_CODE = "conversation_already_has_active_response"
 """The error code of a create sent while the lane's response is in flight (the code
 OpenAI's Realtime API documents for the same situation)."""
 
-_STATUS = {"invalid_request": (400, "invalid_request_error"),
-           "context_length_exceeded": (400, "invalid_request_error"),
-           "duplicate_id": (400, "invalid_request_error"),
-           "too_many_requests": (429, "rate_limit_error"),
-           "overloaded": (503, "server_error"),
-           "shutting_down": (503, "server_error"),
-           "unauthorized": (401, "authentication_error"),
-           "internal_error": (500, "server_error")}
-
-
 def from_protocol_error(e: ProtocolError, req: CreateRequest) -> ResponsesError:
-    """An engine admission error as the Responses API's error: the same code, OpenAI's
-    status and type, and the create's own field as `param`."""
-    status, kind = _STATUS.get(e.code, (500, "server_error"))
+    """An engine admission error as the Responses API's error: the same code, its class's
+    HTTP status (`protocol.errors`) with OpenAI's type, and the create's own field as
+    `param`."""
+    status = e.http_status
+    kind = ERROR_TYPES.get(status, "server_error")
     param, message = None, e.message
     if isinstance(e, ContextLengthExceeded):
         param = "input" if e.prompt_alone or req.max_output_tokens is None \
@@ -100,11 +94,6 @@ class ResponsesConnection(SocketActor):
             task.cancel()
         for run in list(self.runs.values()):
             self.engine.abort(self._key(run.id))
-
-    def _room(self) -> int:
-        """Tokens one request may span: the context, and the whole KV cache (an unset
-        max_output_tokens is what is left of it after the prompt, as vLLM does)."""
-        return min(self.engine.max_model_len, self.engine.kv_cache_tokens)
 
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         stream_id = None
@@ -162,22 +151,14 @@ class ResponsesConnection(SocketActor):
             ids, messages = await asyncio.to_thread(  # templating and tokenizing: off the loop
                 lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
                                      req.messages, generate=req.generate))
-            limit = self.engine.sampling_defaults.max_new_tokens  # the model's default
-            if req.generate and req.max_output_tokens is None and len(ids) >= self._room():
-                # an unset max_output_tokens takes what is left: here nothing is
-                raise ContextLengthExceeded(
-                    f"the input ({len(ids)} tokens) leaves no room for output: a response "
-                    f"holds at most {self._room()} tokens (the context, or the whole KV cache "
-                    "where that is smaller)", request_id=run.id, prompt_alone=True)
-            max_tokens = 1 if not req.generate else \
-                req.max_output_tokens if req.max_output_tokens is not None else \
-                max(1, min(self._room() - len(ids), limit or self._room()))
+            # unset (None) values are the engine's to fill: its admission holds the defaults
+            max_tokens = req.max_output_tokens if req.generate else 1
             params = {"max_tokens": max_tokens, "temperature": req.temperature,
                       "top_p": req.top_p}
-            await self.engine.add_request(
+            await self.engine.add_request(EngineRequest(
                 prompt_token_ids=ids, params=params, request_id=self._key(run.id),
-                client_id=run.id, sink=run.on_event, arrival_time=received,
-                connection_id=self.conn_id)
+                client_id=run.id, arrival_time=received, connection_id=self.conn_id),
+                run.on_event)
         except ProtocolError as e:
             self.runs.pop(lane, None)
             self.outbox.put(from_protocol_error(e, req).event(0, lane))

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocol import ChatMessage
-from service.responses.store import StoredResponse
-from service.tokenize_prompt import PromptTokenizer
+from service.engine.request_input import PromptTokenizer
+from service.front.ws.responses.store import StoredResponse
 
 __all__ = ["build_prompt", "context_after", "prompt_tokenizer"]
 

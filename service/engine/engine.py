@@ -4,10 +4,10 @@
         async for event in engine.generate(prompt="Hello", params={"max_tokens": 8}):
             ...  # Delta events, then one Done
 
-Actors (DESIGN.md): `add_request` is Admission (`service.admission`: checks, then
-tokenizing in a thread pool; then the bounded queue); `service.step_loop.StepLoop`
+Actors (DESIGN.md): `add_request` is Admission (`service.engine.admission`: checks,
+then tokenizing in a thread pool; then the bounded queue); `service.engine.step_loop.StepLoop`
 is the Scheduler + StepLoop actor around `EngineCore.step()`, which runs in a worker
-thread; `service.output_processor` turns each step's outputs into events.
+thread; `service.engine.output_processor` turns each step's outputs into events.
 
 Liveness: a fault of one request fails that request (EngineCore); if the loop itself
 dies, every request in flight gets its error and Done, and `health()` (hence
@@ -19,44 +19,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
-from protocol import (
-    ChatMessage,
-    DuplicateId,
-    InternalError,
-    InvalidRequest,
-    Overloaded,
-    SamplingParams,
-    ShuttingDown,
-)
-from service.admission import Preprocessor
-from service.drain import Drainable
-from service.config import EngineConfig
+from protocol import (ChatMessage, DuplicateId, InternalError, InvalidRequest, Overloaded,
+                      ShuttingDown)
+from service.core.config import EngineConfig
 from service.core.engine_core import CoreStats, EngineCore
 from service.core.kv_cache_manager import PreemptionCost
 from service.core.request import Request
-from service.detokenizer import IncrementalDetokenizer
-from service.faults import FaultPlan, FaultyPolicy, FaultyRunner
-from service.metrics import EngineMetrics
-from service.output_processor import LiveRequest
-from service.request_stream import Event, RequestStream, Sink
-from service.step_loop import StepLoop
-from service.generation_config import (SamplingDefaults, load_sampling_defaults,
-                                       log_sampling_defaults)
-from service.tokenize_prompt import PromptTokenizer
+from service.engine.admission import Admission
+from service.engine.client import EngineClient, EngineRequest
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.faults import FaultPlan, FaultyPolicy, FaultyRunner
+from service.engine.metrics import EngineMetrics
+from service.engine.output_processor import LiveRequest
+from service.engine.sampling_defaults import (SamplingDefaults, load_sampling_defaults,
+                                              log_sampling_defaults)
+from service.engine.step_loop import StepLoop
+from service.engine.stream import Sink
 
 log = structlog.get_logger(__name__)
 
 
-class Engine(Drainable):
+class Engine(EngineClient):
     """Continuous-batching engine usable from any asyncio application; an
-    `service.engine_client.EngineClient` (what every front end is typed against).
+    `service.engine.client.EngineClient` (what every front end is typed against).
 
     Args:
         config: engine settings (the same ones `conveyor serve` takes).
@@ -73,7 +63,7 @@ class Engine(Drainable):
         self._runner = runner
         self._core: EngineCore | None = None
         self._loop: StepLoop | None = None
-        self._admission: Preprocessor | None = None
+        self._admission: Admission | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -116,16 +106,15 @@ class Engine(Drainable):
         self.sampling_defaults = load_sampling_defaults(
             self.config.model.generation_config, self.config.model.model, runner.model_name)
         log_sampling_defaults(self.sampling_defaults)
-        prompts = PromptTokenizer(runner.tokenizer, runner.vocab_size)
-        self._admission = Preprocessor(
-            prompts, runner.max_model_len,
+        self._admission = admission = Admission(
+            runner.tokenizer, runner.vocab_size, runner.max_model_len,
             core.scheduler.pool.num_blocks, self.config.cache.block_size,
-            self.config.scheduler.max_waiting_requests, self._retry_after_ms,
-            self.sampling_defaults)
+            self.sampling_defaults, max_pending=self.config.scheduler.max_waiting_requests,
+            retry_after_ms=self._retry_after_ms)
         # Render the chat template once now: its first use compiles it (tens of ms that
         # would otherwise land on the first request's TTFT).
         try:
-            await loop.run_in_executor(self._executor, lambda: prompts(
+            await loop.run_in_executor(self._executor, lambda: admission.prompts(
                 messages=[ChatMessage("user", "Hello")]))
         except InvalidRequest as e:  # a template that fails will say so to each request
             log.warning("chat_template_warmup_failed", error=str(e))
@@ -202,17 +191,13 @@ class Engine(Drainable):
                 return False, f"stalled: one step has run for {running:.0f} s"
         return True, "ok"
 
-    def health_info(self) -> dict[str, Any]:
-        """Extra /health fields: none in one process."""
-        return {}
-
     async def metrics_text(self) -> bytes:
         """The Prometheus text of this engine's metrics (what /metrics serves)."""
         return self.metrics.render() if self.metrics is not None else b""
 
     def inject_fault(self, where: str = "execute", request_id: str | None = None,
                      count: int | None = 1) -> None:
-        """Test-only: make a real step fail (see `service.faults`): where "schedule",
+        """Test-only: make a real step fail (see `service.engine.faults`): where "schedule",
         "execute" (the forward, in the worker thread) or "output"; for `request_id`
         (engine key or client id) or, None, any; `count` times (None: always)."""
         self._faults.arm(where, request_id, count)
@@ -283,59 +268,37 @@ class Engine(Drainable):
         return len(self._loop.live) if self._loop is not None else 0
 
     # ---- admission ---------------------------------------------------------------
-    async def add_request(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
-                          prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                          params: SamplingParams | Mapping[str, Any] | None = None,
-                          request_id: str | None = None, client_id: str | None = None,
-                          sink: Sink | None = None, arrival_time: float | None = None,
-                          connection_id: str | None = None) -> RequestStream | int:
-        """Validate, tokenize and queue one request (Admission).
-
-        messages: chat turns, `ChatMessage`s or `{"role", "content"}` dicts; prompt: raw
-        text; prompt_token_ids: ids; exactly one of the three. params: `SamplingParams` or
-        a mapping of its fields; checked exactly as the wire checks `$.params`; unset
-        temperature / top_p / top_k / min_p take `self.sampling_defaults` (the model's
-        generation config).
-        request_id: engine-wide unique key (default: a fresh uuid); client_id: the id
-        written into its events (default: request_id). With `sink`, events are passed to
-        it (never awaited) and the prompt length in tokens is returned; without, a
-        RequestStream to iterate is returned. arrival_time: `time.monotonic()` of receipt.
-        connection_id: logged with every line about the request.
+    async def add_request(self, request: EngineRequest, sink: Sink) -> int:
+        """Validate, tokenize and queue one request (Admission); return its prompt length
+        in tokens. Every event of the request is passed to `sink` (never awaited).
 
         Cheap checks run first, on the event loop: the params, the prompt's shape, and a
         lower bound on its length from its character count, so a prompt that cannot fit
         is refused before it is tokenized. Chat templating and tokenizing then run in a
-        small thread pool, never on the event loop (as vLLM's and SGLang's front ends
-        do), so a huge prompt never stalls other clients' streams; token ids need none.
+        small thread pool (`service.engine.admission.Admission`); token ids need none.
 
         Raises InvalidRequest, ContextLengthExceeded, DuplicateId, Overloaded (queue or
         preprocessing pool full), ShuttingDown, InternalError (the step loop has died).
         Nothing is queued when it raises.
         """
-        request_id = request_id or uuid.uuid4().hex
-        client_id = client_id or request_id
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._check_accepting(request_id, client_id)
+        request = request.resolved()
+        key, client_id = request.request_id, request.client_id
+        assert key is not None and client_id is not None and request.arrival_time is not None
+        self._check_accepting(key, client_id)
         assert self._admission is not None and self._loop is not None, \
             "Engine.start() has not run"
-        ids, params = await self._admission.prepare(
-            messages=messages, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
-            client_id=client_id)
+        ids, params = await self._admission.prepare(request)
         # Again: the engine may have begun shutting down, or the id been taken, meanwhile.
-        self._check_accepting(request_id, client_id)
+        self._check_accepting(key, client_id)
         limit = self.config.scheduler.max_waiting_requests
         if self.num_waiting >= limit:
             raise Overloaded(f"the admission queue is full ({limit} requests waiting)",
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
         runner = self.runner
-        req = Request(request_id, ids, params, runner.eos_token_ids, arrival_time=arrival)
-        stream = None
-        if sink is None:
-            stream = RequestStream(client_id, len(ids))
-            sink = stream.put
+        req = Request(key, ids, params, runner.eos_token_ids, arrival_time=request.arrival_time)
         detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
-        self._loop.submit(LiveRequest(req, client_id, connection_id, sink, detok))
-        return stream if stream is not None else len(ids)
+        self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok))
+        return len(ids)
 
     def _check_accepting(self, request_id: str, client_id: str) -> None:
         loop = self._loop
@@ -365,23 +328,3 @@ class Engine(Drainable):
         """Cancel a request at the next step (its Done says "cancelled"); unknown ids are ignored."""
         if self._loop is not None:
             self._loop.abort(request_id)
-
-    async def generate(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
-                       prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                       params: SamplingParams | Mapping[str, Any] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
-        """Deltas of one request, then its Done (usage and timings).
-
-        Breaking out of the iteration aborts the request. Raises what add_request raises.
-        """
-        stream = await self.add_request(messages=messages, prompt=prompt,
-                                        prompt_token_ids=prompt_token_ids, params=params,
-                                        request_id=request_id)
-        assert isinstance(stream, RequestStream)
-        key = request_id or stream.request_id
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            if not stream.finished:
-                self.abort(key)

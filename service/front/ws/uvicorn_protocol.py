@@ -28,9 +28,9 @@ import socket
 import warnings
 from typing import Any
 
-from service.auth import RedactingLogger
 from service.config import ServerConfig
-from service.front.asgi_socket import TRANSPORT_ABORT
+from service.front.access import RedactingLogger
+from service.front.ws.socket import TRANSPORT_ABORT
 
 WS_IMPLS = ("websockets-sansio", "websockets")
 

@@ -20,9 +20,9 @@ from protocol import InvalidRequest, SamplingParams
 from service.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from service.core.engine_core import EngineCore
 from service.core.request import Request
-from service.admission import Preprocessor
-from service.generation_config import load_sampling_defaults, log_sampling_defaults
-from service.tokenize_prompt import PromptTokenizer
+from service.engine.admission import Admission
+from service.engine.client import EngineRequest
+from service.engine.sampling_defaults import load_sampling_defaults, log_sampling_defaults
 
 
 class LLM:
@@ -79,10 +79,10 @@ class LLM:
         log_sampling_defaults(self.sampling_defaults)
         # The Engine's own admission checks, the whole-KV-pool fit check included: a
         # request that could never fit the pool alone would wait forever in the scheduler.
-        self._admission = Preprocessor(
-            PromptTokenizer(runner.tokenizer, runner.vocab_size), runner.max_model_len,
+        self._admission = Admission(
+            runner.tokenizer, runner.vocab_size, runner.max_model_len,
             self.core.scheduler.pool.num_blocks, self.config.cache.block_size,
-            max_pending=1, retry_after_ms=lambda: 0, defaults=self.sampling_defaults)
+            self.sampling_defaults, max_pending=1)
         self._next_id = 0
 
     @property
@@ -102,7 +102,7 @@ class LLM:
         params: one SamplingParams (or mapping of its fields) for all, or one per prompt;
         checked as the wire checks them; unset sampling values take the model's generation
         config (`self.sampling_defaults`), as in the Engine.
-        Admission is the Engine's (`service.admission.Preprocessor`): raises InvalidRequest
+        Admission is the Engine's (`service.engine.admission.Admission`): raises InvalidRequest
         (bad params or ids, an empty prompt) or ContextLengthExceeded (prompt + max_tokens
         over the context, or over the whole KV cache; logprobs asked for, which this
         method cannot return) before anything runs;
@@ -118,8 +118,8 @@ class LLM:
         eos = self.runner.eos_token_ids
         reqs = []
         for i, (ids, p) in enumerate(zip(prompt_token_ids, plist)):
-            ids, p = self._admission.prepare_sync(prompt_token_ids=ids, params=p,
-                                                  client_id=f"prompt {i}")
+            ids, p = self._admission.prepare_sync(EngineRequest(
+                prompt_token_ids=ids, params=p, client_id=f"prompt {i}"))
             for name in ("logprobs", "prompt_logprobs"):
                 if getattr(p, name) is not None:  # never asked for and silently dropped
                     raise InvalidRequest(f"LLM.generate returns token ids only; {name} are "
@@ -145,8 +145,9 @@ class LLM:
         return [r.output_token_ids for r in reqs]
 
     def close(self) -> None:
-        """Finish the disk tier's queued writes and stop its threads (idempotent; nothing
-        to do without a tier)."""
+        """Stop the tokenizing pool; finish the disk tier's queued writes and stop its
+        threads (idempotent)."""
+        self._admission.close()
         if self.disk_tier is not None:
             self.core.flush_disk_saves()
             self.disk_tier.close()

@@ -18,9 +18,9 @@ from msgspec import UNSET
 from protocol import Delta, Done, InternalError, Timings, Usage
 from service.core.engine_core import EngineCore, RequestOutput
 from service.core.request import Request
-from service.detokenizer import IncrementalDetokenizer
-from service.metrics import EngineMetrics
-from service.request_stream import Sink
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.metrics import EngineMetrics
+from service.engine.stream import Sink
 
 log = structlog.get_logger("service.engine")
 

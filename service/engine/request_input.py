@@ -1,7 +1,19 @@
-"""Turn a request's prompt (chat messages, raw text or token ids) into token ids.
+"""A request's input: checked exactly as the wire checks it, then tokenized (Admission's
+first half; `service.engine.admission` runs it).
 
-Chat messages are the one place where text from a client meets the template's
-control tokens. Rendering the template and tokenizing the result as one string
+Checking (`coerce_params`, `coerce_messages`, `coerce_token_ids`): `conveyor serve`
+decodes frames with msgspec, which enforces every range that `protocol.messages`
+declares. The in-process API (`Engine.add_request`,
+`Engine.generate`, `LLM`) takes Python objects instead: plain dicts, as vLLM's
+`LLM.chat` and OpenAI-style clients pass them, or our Structs, which Python can
+construct without any check. Both go through `msgspec.convert` against the same
+Structs here, so a value the wire refuses is refused in-process too, with the
+same `InvalidRequest` and the same JSON path (`$.params.temperature`), before
+anything is queued.
+
+Tokenizing (`PromptTokenizer`): a request's prompt (chat messages, raw text or token ids)
+into token ids. Chat messages are the one place where text from a client meets the
+template's control tokens. Rendering the template and tokenizing the result as one string
 would parse `<|im_end|>` typed inside a message as the real control token, so a
 user could close their own turn and open a forged `system` one. Instead the
 template is rendered with a placeholder for each message's content, the rendered
@@ -16,12 +28,97 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from protocol import ChatMessage, ContextLengthExceeded, InvalidRequest
+import msgspec
 
-__all__ = ["PromptTokenizer"]
+from protocol import ChatMessage, InvalidRequest, SamplingParams
+from protocol.messages import TokenId
+
+__all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids"]
+
+
+def _invalid(e: msgspec.ValidationError, prefix: str, request_id: str | None) -> InvalidRequest:
+    """msgspec's "... - at `$.temperature`" as an InvalidRequest at `prefix` + the path."""
+    text = str(e)
+    message, sep, where = text.rpartition(" - at `")
+    param = prefix
+    if sep and where.endswith("`") and where.startswith("$"):
+        param = prefix + where[1:-1]
+    else:
+        message = text
+    return InvalidRequest(f"{param}: {message}", param=param, request_id=request_id)
+
+
+def coerce_params(params: SamplingParams | Mapping[str, Any] | None, *,
+                  request_id: str | None = None) -> SamplingParams:
+    """A validated SamplingParams from a SamplingParams, a mapping of its fields, or None.
+
+    Raises:
+        InvalidRequest: a value out of its range (NaN and infinities included), an
+            unknown field, or a wrong type; `param` is e.g. "$.params.top_p".
+    """
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        raw: Any = msgspec.structs.asdict(params)
+    elif isinstance(params, Mapping):
+        raw = dict(params)
+        unknown = sorted(set(raw) - set(SamplingParams.__struct_fields__))
+        if unknown:  # a typo in Python is a bug to report, not a field to ignore
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}",
+                                 param=f"$.params.{unknown[0]}", request_id=request_id)
+    else:
+        raise InvalidRequest(f"params must be a SamplingParams or a mapping of its fields, "
+                             f"got {type(params).__name__}", param="$.params",
+                             request_id=request_id)
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise _invalid(e, "$.params", request_id) from None
+
+
+def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
+                    request_id: str | None = None) -> list[ChatMessage]:
+    """ChatMessages from ChatMessages or `{"role": ..., "content": ...}` dicts.
+
+    Raises:
+        InvalidRequest: not a non-empty list of such turns, or a field of the wrong type
+            (`param` e.g. "$.messages[1].content").
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise InvalidRequest(f"messages must be a list of {{'role', 'content'}} turns, got "
+                             f"{type(messages).__name__}", param="$.messages",
+                             request_id=request_id)
+    raw = [msgspec.structs.asdict(m) if isinstance(m, ChatMessage) else m for m in messages]
+    try:
+        turns = msgspec.convert(raw, list[ChatMessage])
+    except msgspec.ValidationError as e:
+        raise _invalid(e, "$.messages", request_id) from None
+    if not turns:
+        raise InvalidRequest("messages must hold at least one turn", param="$.messages",
+                             request_id=request_id)
+    return turns
+
+
+def coerce_token_ids(token_ids: Sequence[int], *, request_id: str | None = None) -> list[int]:
+    """Token ids as plain ints in [0, 2**31 - 1] (the vocabulary check comes later).
+
+    Raises:
+        InvalidRequest: not a sequence of ints, or an id out of range.
+    """
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise InvalidRequest(f"prompt_token_ids must be a list of ints, got "
+                             f"{type(token_ids).__name__}", param="$.prompt_token_ids",
+                             request_id=request_id)
+    try:
+        return msgspec.convert(list(token_ids), list[TokenId])
+    except msgspec.ValidationError as e:
+        raise _invalid(e, "$.prompt_token_ids", request_id) from None
+
+
+
 
 # Roles that ChatML-style templates (which pass `role` through) are used with.
 DEFAULT_ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -84,16 +181,6 @@ class PromptTokenizer:
             sum(len(m.content) for m in messages or ())
         return chars // (2 * self.max_chars_per_token)
 
-    def check_fits(self, min_tokens: int, max_tokens: int, max_model_len: int,
-                   request_id: str | None) -> None:
-        """Raise ContextLengthExceeded when even `min_tokens` + max_tokens cannot fit."""
-        if min_tokens + max_tokens > max_model_len:
-            prompt = f"prompt (at least {min_tokens} tokens) + " if min_tokens else ""
-            raise ContextLengthExceeded(
-                f"{prompt}max_tokens ({max_tokens}) exceeds the context ({max_model_len})",
-                param="$.params.max_tokens", request_id=request_id,
-                prompt_alone=min_tokens >= max_model_len)
-
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, token_ids: Sequence[int] | None = None,
@@ -133,7 +220,7 @@ class PromptTokenizer:
         """Token ids of the chat template over `messages`, tokenized as `__call__` does
         (contents as plain text). With `after=k`, only the ids of the text that follows the
         content of `messages[k]`: the continuation of a context that ends with that content
-        (the Responses API's `previous_response_id`, service/responses/). E.g. ChatML with
+        (the Responses API's `previous_response_id`, service/front/ws/responses/). E.g. ChatML with
         k the last assistant turn and a new user turn: the ids of
         "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n".
 

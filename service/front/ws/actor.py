@@ -1,6 +1,6 @@
 """What every WebSocket route's actor shares: one socket, its outbox, its life cycle.
 
-`/v1/stream` (service/connection.py) and `/v1/responses` (service/responses/) speak
+`/v1/stream` (service/front/ws/stream.py) and `/v1/responses` (service/front/ws/responses/) speak
 different frames over the same mechanisms, which live here once:
 
 - one writer task sends the socket's bounded `Outbox` (a slow reader's deltas merge;
@@ -24,12 +24,10 @@ import time
 from collections.abc import Iterable
 
 import structlog
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
 from service.config import ServerConfig
-from service.engine_client import EngineClient
-from service.outbox import Outbox
+from service.engine.client import EngineClient
+from service.front.ws.outbox import Outbox
+from service.front.ws.socket import Socket
 
 log = structlog.get_logger(__name__)
 _conn_ids = itertools.count(1)
@@ -43,7 +41,7 @@ class SocketActor:
 
     route = "?"
 
-    def __init__(self, ws: ServerConnection, engine: EngineClient, config: ServerConfig) -> None:
+    def __init__(self, ws: Socket, engine: EngineClient, config: ServerConfig) -> None:
         self.ws = ws
         self.engine = engine
         self.config = config
@@ -94,12 +92,10 @@ class SocketActor:
         writer = asyncio.create_task(self.outbox.run(send), name=f"{self.conn_id}-writer")
         self._greet()
         try:
-            async for frame in self.ws:
+            async for frame in self.ws:  # ends when the socket closes (Socket never raises)
                 if self._closing is not None:
                     continue  # being closed: read on only to see the peer's close frame
                 self._on_frame(frame, time.monotonic())
-        except ConnectionClosed:
-            pass
         finally:
             self._closed = True
             self.abort_all()

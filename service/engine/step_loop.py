@@ -19,9 +19,9 @@ import structlog
 
 from protocol import InternalError
 from service.core.engine_core import EngineCore, RequestOutput
-from service.faults import FaultPlan
-from service.metrics import EngineMetrics
-from service.output_processor import LiveRequest, OutputProcessor
+from service.engine.faults import FaultPlan
+from service.engine.metrics import EngineMetrics
+from service.engine.output_processor import LiveRequest, OutputProcessor
 
 log = structlog.get_logger("service.engine")
 

@@ -1,7 +1,7 @@
 """The WebSocket routes' shared door: access, the connection limit, then the socket actor.
 
-    /v1/stream     service.connection.Connection          (PROTOCOL.md)
-    /v1/responses  service.responses.ResponsesConnection  (the Responses WebSocket mode)
+    /v1/stream     service.front.ws.stream.Connection          (PROTOCOL.md)
+    /v1/responses  service.front.ws.responses.ResponsesConnection  (the Responses WebSocket mode)
 
 A refused browser Origin gets HTTP 403 and a missing or wrong key 401, before the
 upgrade. Sockets beyond `max_connections` (and, on the Ray ingress, any socket while
@@ -14,19 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import structlog
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
-from service.auth import AccessPolicy
+from protocol import ShuttingDown, TooManyRequests
 from service.config import ServerConfig
-from service.engine_client import EngineClient
-from service.front.asgi_socket import AsgiSocket
-from service.front.guard import WWW_AUTHENTICATE, refusal
-from service.socket_actor import SocketActor
+from service.engine.client import EngineClient
+from service.front.access import AccessPolicy, refuse_socket
+from service.front.ws.actor import SocketActor
+from service.front.ws.socket import AsgiSocket
 
 log = structlog.get_logger(__name__)
 
-CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_TRY_AGAIN_LATER = TooManyRequests.close_code  # 1013, as ShuttingDown's
 
 
 class SocketRoutes:
@@ -51,15 +50,7 @@ class SocketRoutes:
     async def serve(self, ws: WebSocket, actor: Callable[..., SocketActor]) -> None:
         """Check access, accept, apply the connection limit, run `actor` until the socket
         closes (its requests are cancelled then)."""
-        refused = refusal(self.access, ws.headers, ws.url.query, ws.url.path)
-        if refused is not None:
-            status, message = refused
-            headers = WWW_AUTHENTICATE if status == 401 else None
-            try:
-                await ws.send_denial_response(JSONResponse({"error": message}, status,
-                                                           headers=headers))
-            except RuntimeError:  # a server that cannot answer a WebSocket with HTTP
-                await ws.close(1008, "refused")
+        if await refuse_socket(self.access, ws):
             return
         await ws.accept()
         socket = AsgiSocket(ws, self.config.max_message_bytes)
@@ -69,7 +60,7 @@ class SocketRoutes:
             self.refused_connections += 1
             log.warning("connection_refused", limit=limit, draining=draining,
                         peer=str(socket.remote_address))
-            await socket.close(CLOSE_TRY_AGAIN_LATER,
+            await socket.close(ShuttingDown.close_code if draining else CLOSE_TRY_AGAIN_LATER,
                                f"too many connections (limit {limit}) or shutting down; "
                                "try again later")
             return

@@ -1,9 +1,7 @@
-"""An ASGI (Starlette) WebSocket dressed as the websockets connection our actors use.
-
-`service.connection.Connection` serves a `websockets` ServerConnection. Behind Ray
-Serve's HTTP proxy the ingress gets a Starlette `WebSocket` instead; this adapter gives
-it the few members the connection actor uses, so the same actor (and the same frames,
-outbox, limits and close codes) serve both:
+"""`Socket`, what the socket actors are typed against, and `AsgiSocket`, the one transport
+adapter that gives it: an ASGI (Starlette) WebSocket, as uvicorn (`conveyor serve`) and Ray
+Serve's HTTP proxy (the cluster's ingress) both hand it over, so the same actors (and the
+same frames, outbox, limits and close codes) serve one process and the cluster:
 
     async for frame in socket      text (str) or binary (bytes) frames until the peer
                                    closes; a frame over `max_message_bytes` closes the
@@ -13,7 +11,7 @@ outbox, limits and close codes) serve both:
     socket.close_code, socket.remote_address, socket.transport.abort()
 
 ASGI has no way to drop a TCP connection. Our own uvicorn protocol
-(service/front/ws_protocol.py) puts its transport's abort in the scope's extensions
+(service/front/ws/uvicorn_protocol.py) puts its transport's abort in the scope's extensions
 (`TRANSPORT_ABORT`): `transport.abort()` calls it, so a peer that stopped reading cannot
 hold the socket past `close_timeout`, as with websockets' own server. Without it (behind
 Ray Serve's proxy) `transport.abort()` only ends the iteration and lets the server close
@@ -23,13 +21,32 @@ the socket.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 CLOSE_MESSAGE_TOO_BIG = 1009
 TRANSPORT_ABORT = "conveyor.transport_abort"
 """Scope extension: () -> None, drops the TCP connection at once."""
+
+
+class Transport(Protocol):
+    def abort(self) -> None: ...
+
+
+class Socket(Protocol):
+    """One accepted WebSocket as the actors use it (see the module docstring). Iterating
+    ends when the peer closes or the socket is closed; it never raises for a closed socket."""
+
+    close_code: int | None
+    remote_address: tuple[str, int] | None
+    transport: Transport
+
+    def __aiter__(self) -> AsyncIterator[str | bytes]: ...
+
+    async def send(self, data: bytes | str, text: bool = True) -> None: ...
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
 
 
 class AsgiSocket:
@@ -47,7 +64,7 @@ class AsgiSocket:
         self._closed = False
         client = ws.client
         self.remote_address = (client.host, client.port) if client is not None else None
-        self.transport = self  # transport.abort(), as websockets' connection has
+        self.transport = self  # transport.abort(): drop the TCP connection
 
     def abort(self) -> None:
         """Drop the connection (where the server lets us; see the module docstring)."""

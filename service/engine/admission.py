@@ -1,0 +1,165 @@
+"""Admission: check what the caller sent, fill its defaults, tokenize it off the loop.
+
+The one place a request's input is checked and completed, used by every engine: the
+in-process `Engine`, the cluster's `RemoteEngine` (before it routes anything) and the
+offline `LLM`. In order:
+
+1. the params (`request_input.coerce_params`: the wire's own ranges) and the prompt's
+   shape, on the event loop;
+2. a lower bound on the prompt's length from its character count (cheap: a prompt that
+   cannot fit is refused before it is tokenized);
+3. chat templating and tokenizing (`PromptTokenizer`) in a small thread pool, never on
+   the event loop (as vLLM's and SGLang's front ends do), so a huge prompt never stalls
+   other clients' streams; token ids need none;
+4. the sampling defaults (`SamplingDefaults`: the model's generation config) for every
+   unset value, and the one default-`max_tokens` rule (`SamplingDefaults.output_limit`);
+5. the room check: prompt + max_tokens within the context and within the whole KV cache
+   (a request that could never fit the pool alone would wait forever in the scheduler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from protocol import ContextLengthExceeded, InvalidRequest, Overloaded, SamplingParams
+from service.engine.client import EngineRequest
+from service.engine.request_input import PromptTokenizer
+from service.engine.request_input import coerce_messages, coerce_params, coerce_token_ids
+from service.engine.sampling_defaults import SamplingDefaults
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """Checks and tokenizes requests for one model.
+
+    Args:
+        tokenizer: the model's transformers fast tokenizer (chat template included).
+        vocab_size: token ids must be < this.
+        max_model_len: context cap, tokens.
+        num_kv_blocks, block_size: the whole KV cache (a request must fit it alone).
+        defaults: what unset sampling values become (the model's generation config).
+        max_pending: most prompts being tokenized at once (beyond: Overloaded).
+        retry_after_ms: when an Overloaded caller should retry, ms.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 num_kv_blocks: int, block_size: int, defaults: SamplingDefaults | None = None,
+                 *, max_pending: int = 1024,
+                 retry_after_ms: Callable[[], int] = lambda: 1000) -> None:
+        self.prompts = PromptTokenizer(tokenizer, vocab_size)
+        self.defaults = defaults or SamplingDefaults()
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_pending = max_pending
+        self.retry_after_ms = retry_after_ms
+        self.pending = 0
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="conveyor-prompt")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def room(self) -> int:
+        """Most tokens (prompt + output) one request can hold: the context, or the whole
+        KV cache where that is smaller."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+    async def prepare(self, request: EngineRequest) -> tuple[list[int], SamplingParams]:
+        """(prompt token ids, checked params) of one request; the params' unset
+        temperature / top_p / top_k / min_p / max_tokens take `self.defaults`, here and
+        nowhere else (an unset max_tokens: the model's max_new_tokens capped by what the
+        context and the KV cache leave after the prompt, else 256).
+
+        Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
+        many prompts being tokenized).
+        """
+        client_id = request.client_id or ""
+        params, unset_max, tokenize = self._check(request, client_id)
+        if request.prompt_token_ids is not None:
+            ids = tokenize()  # nothing to tokenize: a range check, at once
+        else:
+            if self.pending >= self.max_pending:
+                raise Overloaded("too many prompts are being tokenized", request_id=client_id,
+                                 retry_after_ms=self.retry_after_ms())
+            self.pending += 1
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(self._pool, tokenize)
+            finally:
+                self.pending -= 1
+        return ids, self._fit(len(ids), params, unset_max, client_id)
+
+    def prepare_sync(self, request: EngineRequest) -> tuple[list[int], SamplingParams]:
+        """`prepare` for a caller without an event loop (`service.engine.llm.LLM`): the
+        same checks, in the same order, tokenizing in the calling thread. Same errors but
+        Overloaded."""
+        client_id = request.client_id or ""
+        params, unset_max, tokenize = self._check(request, client_id)
+        ids = tokenize()
+        return ids, self._fit(len(ids), params, unset_max, client_id)
+
+    def _check(self, request: EngineRequest, client_id: str
+               ) -> tuple[SamplingParams, bool, Callable[[], list[int]]]:
+        """The cheap checks (params, the prompt's shape, a length bound from its
+        characters); returns the checked params, whether the caller left max_tokens unset
+        (then `_fit` re-fits it to the prompt) and the tokenizing call still to make."""
+        raw = coerce_params(request.params, request_id=client_id)
+        params = self.defaults.apply(raw, 1, self.room)  # max_tokens: re-fit in _fit
+        messages, prompt, token_ids = request.messages, request.prompt, request.prompt_token_ids
+        if messages is not None:
+            messages = coerce_messages(messages, request_id=client_id)
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, got {type(prompt).__name__}",
+                                 param="$.prompt", request_id=client_id)
+        if token_ids is not None:
+            token_ids = coerce_token_ids(token_ids, request_id=client_id)
+        least = self.prompts.min_tokens(messages=messages, prompt=prompt, token_ids=token_ids)
+        if least + params.max_tokens > self.max_model_len:
+            shown = f"prompt (at least {least} tokens) + " if least else ""
+            raise ContextLengthExceeded(
+                f"{shown}max_tokens ({params.max_tokens}) exceeds the context "
+                f"({self.max_model_len})", param="$.params.max_tokens", request_id=client_id,
+                prompt_alone=least >= self.max_model_len)
+        return params, raw.max_tokens is None, functools.partial(
+            self.prompts, messages=messages, prompt=prompt, token_ids=token_ids,
+            request_id=client_id)
+
+    def _fit(self, n: int, params: SamplingParams, unset_max: bool,
+             client_id: str) -> SamplingParams:
+        """params for a prompt of n tokens: an unset max_tokens becomes the default output
+        limit for what the context and the KV cache leave; then `check_fits`."""
+        if unset_max:
+            if n >= self.room:  # no default can help: say so without naming max_tokens
+                raise ContextLengthExceeded(
+                    f"the prompt ({n} tokens) leaves no room for output: a request holds at "
+                    f"most {self.room} tokens (the context, or the whole KV cache where that "
+                    "is smaller)", param="$.params.max_tokens", request_id=client_id,
+                    prompt_alone=True)
+            params = msgspec.structs.replace(
+                params, max_tokens=self.defaults.output_limit(n, self.room))
+        self.check_fits(n, params, client_id)
+        return params
+
+    def check_fits(self, n: int, params: SamplingParams, client_id: str) -> None:
+        """Raise ContextLengthExceeded unless n prompt tokens + max_tokens fit the context
+        and the whole KV cache."""
+        limit = self.max_model_len
+        if n + params.max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"({limit})", param="$.params.max_tokens", request_id=client_id,
+                prompt_alone=n >= limit)
+        need = -(-(n + params.max_tokens) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise ContextLengthExceeded(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
+                f"but the whole cache has {self.num_kv_blocks}", param="$.params.max_tokens",
+                request_id=client_id,
+                prompt_alone=-(-(n + 1) // self.block_size) > self.num_kv_blocks)
