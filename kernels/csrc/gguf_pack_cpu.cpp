@@ -12,7 +12,9 @@
 //
 // Layout of every output (kernels/quant_pack.py, PackedWeight): rows padded to Np (a
 // multiple of 64), panels [Np/64, C, 64] with the 64 rows of a panel innermost; row n's
-// column c of an output lives at ((n / 64) * C + c) * 64 + n % 64.
+// column c of an output lives at ((n / 64) * C + c) * 64 + n % 64. So a panel's rows are
+// decoded one block at a time and written column by column, each column's 64 lanes
+// contiguous.
 //
 // Block layouts are ggml's (ggml-common.h), as kernels/gguf_pack.py documents them.
 // Parallel over output panels (OpenMP: torch's pool). About 1 GB/s of file a core, where the
@@ -146,9 +148,11 @@ void decode(int type, const uint8_t* b, Form& f) {
   }
 }
 
-// Where row n's column c of a panel output with `cols` columns lives.
-inline int64_t at(int64_t n, int64_t c, int64_t cols) {
-  return ((n >> 6) * cols + c) * 64 + (n & 63);
+// Lane 0 of column c in panel p of a panel output with `cols` columns (row n of the
+// panel's 64 is at lane n % 64).
+template <typename T>
+inline T* column(T* base, int64_t p, int64_t cols, int64_t c) {
+  return base + (p * cols + c) * 64;
 }
 
 struct Out {
@@ -162,70 +166,102 @@ struct Out {
   uint16_t* super_min;
 };
 
-// Write block `blk` (weights blk * size .. + size) of output row n from its form.
-// False where a value is not servable (Q4_0's -8 d beyond fp16).
-bool emit(const Out& o, int type, int64_t n, int64_t blk, int size, const Form& f) {
+// Write block `blk` (weights blk * size .. + size) of lanes l0 .. l1 of panel p from their
+// forms f[lane]: column by column, each column's lanes contiguous (64 bytes of a q4_k
+// column are one cache line). False where a value is not servable (Q4_0's -8 d beyond fp16).
+bool emit(const Out& o, int type, int64_t p, int l0, int l1, int64_t blk, int size,
+          const Form* f) {
   const int64_t k0 = blk * size;
   switch (o.fmt) {
     case F_Q4_K: {  // nibbles (k = 2j low, 2j + 1 high); sc, m per 32; d, dmin per 256
-      const int64_t cols = o.k / 2;
-      for (int j = 0; j < size / 2; ++j)
-        o.data[at(n, k0 / 2 + j, cols)] = uint8_t(f.q[2 * j] | (f.q[2 * j + 1] << 4));
-      for (int g = 0; g < size / 32; ++g) {
-        o.scale[at(n, k0 / 32 + g, o.k / 32)] = uint8_t(f.sc[2 * g]);
-        o.minv[at(n, k0 / 32 + g, o.k / 32)] = uint8_t(f.m[2 * g]);
+      for (int j = 0; j < size / 2; ++j) {
+        uint8_t* c = column(o.data, p, o.k / 2, k0 / 2 + j);
+        for (int l = l0; l < l1; ++l) c[l] = uint8_t(f[l].q[2 * j] | (f[l].q[2 * j + 1] << 4));
       }
-      o.super_scale[at(n, blk, o.k / 256)] = f.d;
-      o.super_min[at(n, blk, o.k / 256)] = f.dmin;
+      for (int g = 0; g < size / 32; ++g) {
+        uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
+        uint8_t* mn = column(o.minv, p, o.k / 32, k0 / 32 + g);
+        for (int l = l0; l < l1; ++l) { sc[l] = uint8_t(f[l].sc[2 * g]); mn[l] = uint8_t(f[l].m[2 * g]); }
+      }
+      uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
+      uint16_t* dm = column(o.super_min, p, o.k / 256, blk);
+      for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
       return true;
     }
     case F_Q6_K: {  // per 4 weights: nibbles of k, k + 1, of k + 2, k + 3, the 4 high fields
       const int64_t cols = 3 * o.k / 4;
       for (int j = 0; j < size / 4; ++j) {
-        uint8_t u[4];
-        for (int i = 0; i < 4; ++i) u[i] = uint8_t(f.q[4 * j + i] + 32);
         const int64_t c = 3 * (k0 / 4 + j);
-        o.data[at(n, c, cols)] = uint8_t((u[0] & 15) | ((u[1] & 15) << 4));
-        o.data[at(n, c + 1, cols)] = uint8_t((u[2] & 15) | ((u[3] & 15) << 4));
-        o.data[at(n, c + 2, cols)] =
-            uint8_t((u[0] >> 4) | ((u[1] >> 4) << 2) | ((u[2] >> 4) << 4) | ((u[3] >> 4) << 6));
+        uint8_t* a = column(o.data, p, cols, c);
+        uint8_t* b = column(o.data, p, cols, c + 1);
+        uint8_t* h = column(o.data, p, cols, c + 2);
+        for (int l = l0; l < l1; ++l) {
+          const int16_t* q = f[l].q + 4 * j;  // q - 32: back to 0 .. 63
+          const int u0 = q[0] + 32, u1 = q[1] + 32, u2 = q[2] + 32, u3 = q[3] + 32;
+          a[l] = uint8_t((u0 & 15) | ((u1 & 15) << 4));
+          b[l] = uint8_t((u2 & 15) | ((u3 & 15) << 4));
+          h[l] = uint8_t((u0 >> 4) | ((u1 >> 4) << 2) | ((u2 >> 4) << 4) | ((u3 >> 4) << 6));
+        }
       }
-      for (int g = 0; g < size / 16; ++g) o.scale[at(n, k0 / 16 + g, o.k / 16)] = uint8_t(int8_t(f.sc[g]));
-      o.super_scale[at(n, blk, o.k / 256)] = f.d;
+      for (int g = 0; g < size / 16; ++g) {
+        uint8_t* sc = column(o.scale, p, o.k / 16, k0 / 16 + g);
+        for (int l = l0; l < l1; ++l) sc[l] = uint8_t(int8_t(f[l].sc[g]));
+      }
+      uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
+      for (int l = l0; l < l1; ++l) d[l] = f[l].d;
       return true;
     }
     case F_I8_K: {  // int8 q; sc, m per 16; d, dmin per super_group (repeated when smaller)
-      for (int i = 0; i < size; ++i) o.data[at(n, k0 + i, o.k)] = uint8_t(int8_t(f.q[i]));
+      for (int i = 0; i < size; ++i) {
+        uint8_t* c = column(o.data, p, o.k, k0 + i);
+        for (int l = l0; l < l1; ++l) c[l] = uint8_t(int8_t(f[l].q[i]));
+      }
       for (int g = 0; g < size / 16; ++g) {
-        o.scale[at(n, k0 / 16 + g, o.k / 16)] = uint8_t(int8_t(f.sc[g]));
-        o.minv[at(n, k0 / 16 + g, o.k / 16)] = uint8_t(int8_t(f.m[g]));
+        uint8_t* sc = column(o.scale, p, o.k / 16, k0 / 16 + g);
+        uint8_t* mn = column(o.minv, p, o.k / 16, k0 / 16 + g);
+        for (int l = l0; l < l1; ++l) {
+          sc[l] = uint8_t(int8_t(f[l].sc[g]));
+          mn[l] = uint8_t(int8_t(f[l].m[g]));
+        }
       }
       const int64_t sg = o.super_group, cols = o.k / sg;
       for (int64_t s = k0 / sg; s < (k0 + size) / sg; ++s) {
-        o.super_scale[at(n, s, cols)] = f.d;
-        o.super_min[at(n, s, cols)] = f.dmin;
+        uint16_t* d = column(o.super_scale, p, cols, s);
+        uint16_t* dm = column(o.super_min, p, cols, s);
+        for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
       }
       return true;
     }
     case F_Q8_0: {  // int8 q, fp16 d per 32
-      for (int i = 0; i < 32; ++i) o.data[at(n, k0 + i, o.k)] = uint8_t(int8_t(f.q[i]));
-      reinterpret_cast<uint16_t*>(o.scale)[at(n, blk, o.k / 32)] = f.d;
+      for (int i = 0; i < 32; ++i) {
+        uint8_t* c = column(o.data, p, o.k, k0 + i);
+        for (int l = l0; l < l1; ++l) c[l] = uint8_t(int8_t(f[l].q[i]));
+      }
+      uint16_t* d = column(reinterpret_cast<uint16_t*>(o.scale), p, o.k / 32, blk);
+      for (int l = l0; l < l1; ++l) d[l] = f[l].d;
       return true;
     }
     default: {  // F_Q4_1: q (+ 8 for Q4_0) as nibbles, fp16 d and min per 32
       const int add = type == Q4_0 ? 8 : 0;
-      for (int j = 0; j < 16; ++j)
-        o.data[at(n, k0 / 2 + j, o.k / 2)] =
-            uint8_t((f.q[2 * j] + add) | ((f.q[2 * j + 1] + add) << 4));
-      reinterpret_cast<uint16_t*>(o.scale)[at(n, blk, o.k / 32)] = f.d;
-      uint16_t mn = uint16_t(f.dmin ^ 0x8000);  // Q4_1: -dmin, the file's m
-      if (type == Q4_0) {  // d (q - 8) = d q + (-8 d): exact in fp16 unless it overflows
-        const float m = -8.0f * _cvtsh_ss(f.d);
-        mn = _cvtss_sh(m, _MM_FROUND_TO_NEAREST_INT);
-        if (_cvtsh_ss(mn) != m) return false;
+      for (int j = 0; j < 16; ++j) {
+        uint8_t* c = column(o.data, p, o.k / 2, k0 / 2 + j);
+        for (int l = l0; l < l1; ++l)
+          c[l] = uint8_t((f[l].q[2 * j] + add) | ((f[l].q[2 * j + 1] + add) << 4));
       }
-      reinterpret_cast<uint16_t*>(o.minv)[at(n, blk, o.k / 32)] = mn;
-      return true;
+      uint16_t* d = column(reinterpret_cast<uint16_t*>(o.scale), p, o.k / 32, blk);
+      uint16_t* mn = column(reinterpret_cast<uint16_t*>(o.minv), p, o.k / 32, blk);
+      bool ok = true;
+      for (int l = l0; l < l1; ++l) {
+        d[l] = f[l].d;
+        uint16_t m = uint16_t(f[l].dmin ^ 0x8000);  // Q4_1: -dmin, the file's m
+        if (type == Q4_0) {  // d (q - 8) = d q + (-8 d): exact in fp16 unless it overflows
+          const float v = -8.0f * _cvtsh_ss(f[l].d);
+          m = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+          ok &= _cvtsh_ss(m) == v;
+        }
+        mn[l] = m;
+      }
+      return ok;
     }
   }
 }
@@ -260,15 +296,14 @@ int conveyor_pack_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int 
   int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
   for (int64_t p = first; p <= last; ++p) {  // one output panel (64 rows) a task
-    Form f;
+    Form f[64];  // the panel's rows' forms of one block
     const int64_t lo = p * 64 > row0 ? p * 64 : row0;
     const int64_t hi = (p + 1) * 64 < row0 + rows ? (p + 1) * 64 : row0 + rows;
-    for (int64_t n = lo; n < hi; ++n) {
-      const uint8_t* row = raw + (n - row0) * row_bytes;
-      for (int64_t b = 0; b < blocks; ++b) {
-        decode(type, row + b * kBlockBytes[type], f);
-        bad |= !emit(o, type, n, b, size, f);
-      }
+    const int l0 = int(lo - p * 64), l1 = int(hi - p * 64);
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int l = l0; l < l1; ++l)
+        decode(type, raw + (p * 64 + l - row0) * row_bytes + b * kBlockBytes[type], f[l]);
+      bad |= !emit(o, type, p, l0, l1, b, size, f);
     }
   }
   return bad ? -2 : 0;
