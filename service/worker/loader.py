@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from service.worker.gguf_meta_cache import config_and_tokenizer
 from service.worker.gguf_parse import shared_gguf_parse
 from service.worker.load_progress import quiet_progress_bars
 
@@ -149,9 +150,13 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
     blocks = blocks and "gguf_file" in kw
     # a GGUF file parsed once for the three (gguf_parse.py); no tqdm redraws in a log file
     with shared_gguf_parse(), quiet_progress_bars():
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
+        if "gguf_file" in kw:  # built from its metadata once, then read back (gguf_meta_cache)
+            config, tokenizer, _ = config_and_tokenizer(path, folder, kw)
+        else:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
         check_architecture(path, config)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+        if "gguf_file" not in kw:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
         if blocks:
             from service.worker.gguf_model import read_gguf_model
 
