@@ -296,7 +296,8 @@ class Engine(EngineClient):
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
         runner = self.runner
         req = Request(key, ids, params, runner.eos_token_ids, arrival_time=request.arrival_time)
-        detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
+        detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop,
+                                       min_tokens=params.min_tokens)
         self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok))
         return len(ids)
 
