@@ -38,7 +38,7 @@ _id_decoder = msgspec.json.Decoder(_IdOnly)
 
 # msgspec ends a ValidationError message with " - at `$.params.top_p`";
 # an error at the root carries no path.
-_AT_PATH = re.compile(r" - at `(\$[^`]*)`$")
+_AT_PATH = re.compile(r" - at (?:`key` in )?`(\$[^`]*)`$")  # a dict key: "at `key` in `$...`"
 _MISSING_FIELD = re.compile(r"^Object missing required field `([^`]+)`")
 
 Frame = str | bytes | bytearray | memoryview

@@ -45,6 +45,8 @@ DEFAULT_MAX_TOKENS = 256
 max_new_tokens (PROTOCOL.md's params table)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""Most `logit_bias` entries one request may carry (OpenAI's limit)."""
 MAX_TTFT_SLO_MS = 1e9
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 """A token id as the wire carries it: 0 to 2**31 - 1 (the server checks it against the
@@ -109,6 +111,20 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
             first `Delta.prompt_logprobs` (the first prompt token has none). A request
             that asks is never served from the prefix cache (vLLM does the same), so
             every prompt position is computed.
+        presence_penalty: float in [-2, 2] (0 = off): subtracted once from the logit of
+            every token already in the completion (OpenAI's, vLLM's).
+        frequency_penalty: float in [-2, 2] (0 = off): subtracted from a token's logit
+            once per time it occurs in the completion.
+        repetition_penalty: float in (0, 2] or None: the logit of every token in the
+            prompt or the completion is divided by it where positive, multiplied where
+            not (Keskar et al., CTRL, 2019; transformers' and vLLM's rule); None (unset):
+            the model's generation config, else 1.0 (off).
+        logit_bias: {token id: float in [-100, 100]} with at most 300 entries, or None:
+            added to those tokens' logits before the penalties and the sampling cuts
+            (the server refuses an id outside the vocabulary).
+        min_tokens: int in [0, 2**31 - 1] (0 = off): EOS and `stop_token_ids` cannot be
+            sampled, and stop strings are not looked for, before the completion has this
+            many tokens (vLLM's); at most max_tokens.
 
     Both come from the model's own distribution, log_softmax of the raw logits, before
     temperature and the top-k / top-p / min-p cuts (vLLM's default, "raw_logprobs";
@@ -132,6 +148,12 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     ttft_slo_ms: Annotated[float, Meta(gt=0.0, le=MAX_TTFT_SLO_MS)] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True, gc=False):
@@ -321,6 +343,7 @@ ServerMessage = Union[Hello, Pong, Accepted, Delta, Done, Error]
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MAX_ID_LENGTH",
+    "MAX_LOGIT_BIAS_ENTRIES",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",

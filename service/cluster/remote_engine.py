@@ -47,7 +47,7 @@ from service.cluster.registry import routers_for
 from service.core.block_pool import KVBlockPool
 from service.engine.admission import Admission
 from service.engine.client import EngineClient, EngineRequest
-from service.engine.stream import Sink
+from service.engine.stream import Sink, with_prompt_token_ids
 
 log = structlog.get_logger(__name__)
 
@@ -224,6 +224,8 @@ class RemoteEngine(EngineClient):
                 raise
         finally:
             self._admitting.discard(key)
+        if request.return_prompt_token_ids:
+            sink = with_prompt_token_ids(sink, ids)
         live = _Remote(key, routed.request_id, client_id, admitted.replica_id,
                        admitted.prompt_tokens, sink, arrival)
         self._live[key] = live

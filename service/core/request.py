@@ -24,6 +24,14 @@ import msgspec
 from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
 
 
+def uses_logits_processors(params: SamplingParams) -> bool:
+    """Whether params ask for a per-row logits processor (presence / frequency /
+    repetition penalty, logit_bias, min_tokens; `service.worker.logits_processors`)."""
+    rep = params.repetition_penalty
+    return bool(params.presence_penalty or params.frequency_penalty or params.logit_bias
+                or params.min_tokens or (rep is not None and rep != 1.0))
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"      # never scheduled yet
     RUNNING = "running"
@@ -72,12 +80,18 @@ class Request:
     # chunk by chunk, delivered once with the first output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # (prompt, output) token lists -- these very lists -- handed to the runner with each
+    # sampling step when the params ask for a logits processor that reads them (penalties,
+    # logit_bias, min_tokens); None otherwise (set once, in __post_init__)
+    token_history: tuple[list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         # Admission fills an unset max_tokens (the model's max_new_tokens, fitted to the
         # prompt); a Request built without admission (tests, benches) gets the wire's 256.
         if self.params.max_tokens is None:
             self.params = msgspec.structs.replace(self.params, max_tokens=DEFAULT_MAX_TOKENS)
+        if uses_logits_processors(self.params):
+            self.token_history = (self.prompt_token_ids, self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -238,7 +238,8 @@ class Scheduler:
                 last = req.output_token_ids[-1] if req.output_token_ids else \
                     req.prompt_token_ids[-1]
                 st.sequences.append(ScheduledSequence(req.request_id, [last], start,
-                                                      req.block_ids, True, req.params))
+                                                      req.block_ids, True, req.params, None,
+                                                      req.token_history))
                 st.scheduled.add(req.request_id)
                 st.budget -= 1
                 continue
@@ -326,8 +327,10 @@ class Scheduler:
         prompt = req.prompt_token_ids if req.params.prompt_logprobs is not None and \
             not req.output_token_ids else None
         # positional: this runs for every sequence of every step
+        samples = start + n == num_tokens
         st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
-                                              start + n == num_tokens, req.params, prompt))
+                                              samples, req.params, prompt,
+                                              req.token_history if samples else None))
         st.scheduled.add(req.request_id)
         st.budget -= n
 

@@ -21,6 +21,9 @@ class ScheduledSequence(NamedTuple):
     prompt_token_ids: the request's whole prompt (its own list, read only) while it asks
         for prompt logprobs and has none yet, else None: the runner scores each prompt
         position of this chunk against the prompt's next token.
+    token_history: (prompt, output so far) -- the request's own lists, read only -- on a
+        sampling chunk of a request whose params ask for a logits processor (penalties,
+        logit_bias, min_tokens), else None.
     """
 
     request_id: str
@@ -30,6 +33,7 @@ class ScheduledSequence(NamedTuple):
     sample: bool
     params: SamplingParams
     prompt_token_ids: list[int] | None = None
+    token_history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,18 @@ The one place a request's input is checked and completed, used by every engine: 
 in-process `Engine`, the cluster's `RemoteEngine` (before it routes anything) and the
 offline `LLM`. In order:
 
-1. the params (`request_input.coerce_params`: the wire's own ranges) and the prompt's
-   shape, on the event loop;
+1. the params (`request_input.coerce_params`: the wire's own ranges; `stop_token_ids`
+   and `logit_bias` keys within the vocabulary; min_tokens <= max_tokens) and the
+   prompt's shape, on the event loop;
 2. a lower bound on the prompt's length from its character count (cheap: a prompt that
    cannot fit is refused before it is tokenized);
 3. chat templating and tokenizing (`PromptTokenizer`) in a small thread pool, never on
    the event loop (as vLLM's and SGLang's front ends do), so a huge prompt never stalls
    other clients' streams; token ids need none;
 4. the sampling defaults (`SamplingDefaults`: the model's generation config) for every
-   unset value, and the one default-`max_tokens` rule (`SamplingDefaults.output_limit`);
+   unset value, and the one default-`max_tokens` rule (`SamplingDefaults.output_limit`:
+   the room the context leaves, vLLM's rule); a prompt that leaves none, with no
+   max_tokens sent, is refused naming the prompt's field, never max_tokens;
 5. the room check: prompt + max_tokens within the context and within the whole KV cache
    (a request that could never fit the pool alone would wait forever in the scheduler).
 """
@@ -74,9 +77,9 @@ class Admission:
 
     async def prepare(self, request: EngineRequest) -> tuple[list[int], SamplingParams]:
         """(prompt token ids, checked params) of one request; the params' unset
-        temperature / top_p / top_k / min_p / max_tokens take `self.defaults`, here and
-        nowhere else (an unset max_tokens: the model's max_new_tokens capped by what the
-        context and the KV cache leave after the prompt, else 256).
+        temperature / top_p / top_k / min_p / repetition_penalty / max_tokens take
+        `self.defaults`, here and nowhere else (an unset max_tokens: what the context and
+        the KV cache leave after the prompt, capped by the model's max_new_tokens).
 
         Raises InvalidRequest (the field named), ContextLengthExceeded, Overloaded (too
         many prompts being tokenized).
@@ -94,7 +97,7 @@ class Admission:
                 ids = await asyncio.get_running_loop().run_in_executor(self._pool, tokenize)
             finally:
                 self.pending -= 1
-        return ids, self._fit(len(ids), params, unset_max, client_id)
+        return ids, self._fit(len(ids), params, unset_max, client_id, request)
 
     def prepare_sync(self, request: EngineRequest) -> tuple[list[int], SamplingParams]:
         """`prepare` for a caller without an event loop (`service.engine.llm.LLM`): the
@@ -103,15 +106,17 @@ class Admission:
         client_id = request.client_id or ""
         params, unset_max, tokenize = self._check(request, client_id)
         ids = tokenize()
-        return ids, self._fit(len(ids), params, unset_max, client_id)
+        return ids, self._fit(len(ids), params, unset_max, client_id, request)
 
     def _check(self, request: EngineRequest, client_id: str
                ) -> tuple[SamplingParams, bool, Callable[[], list[int]]]:
-        """The cheap checks (params, the prompt's shape, a length bound from its
-        characters); returns the checked params, whether the caller left max_tokens unset
-        (then `_fit` re-fits it to the prompt) and the tokenizing call still to make."""
+        """The cheap checks (params, token ids against the vocabulary, the prompt's shape, a
+        length bound from its characters); returns the checked params, whether the caller
+        left max_tokens unset (then `_fit` sets it for the prompt) and the tokenizing call
+        still to make."""
         raw = coerce_params(request.params, request_id=client_id)
-        params = self.defaults.apply(raw, 1, self.room)  # max_tokens: re-fit in _fit
+        self._check_vocabulary(raw, client_id)
+        params = self.defaults.apply(raw, 0, self.room)  # an unset max_tokens: set in _fit
         messages, prompt, token_ids = request.messages, request.prompt, request.prompt_token_ids
         if messages is not None:
             messages = coerce_messages(messages, request_id=client_id)
@@ -120,30 +125,67 @@ class Admission:
                                  param="$.prompt", request_id=client_id)
         if token_ids is not None:
             token_ids = coerce_token_ids(token_ids, request_id=client_id)
+        if raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
+            raise InvalidRequest(f"min_tokens ({raw.min_tokens}) must be at most max_tokens "
+                                 f"({raw.max_tokens})", param="$.params.min_tokens",
+                                 request_id=client_id)
         least = self.prompts.min_tokens(messages=messages, prompt=prompt, token_ids=token_ids)
-        if least + params.max_tokens > self.max_model_len:
+        if raw.max_tokens is None:
+            if least >= self.room:
+                self._no_room(f"the prompt (at least {least} tokens)", request, client_id)
+        elif least + raw.max_tokens > self.max_model_len:
             shown = f"prompt (at least {least} tokens) + " if least else ""
             raise ContextLengthExceeded(
-                f"{shown}max_tokens ({params.max_tokens}) exceeds the context "
+                f"{shown}max_tokens ({raw.max_tokens}) exceeds the context "
                 f"({self.max_model_len})", param="$.params.max_tokens", request_id=client_id,
                 prompt_alone=least >= self.max_model_len)
+        if request.continue_final_message and messages is None:
+            raise InvalidRequest("continue_final_message needs messages",
+                                 param="$.continue_final_message", request_id=client_id)
         return params, raw.max_tokens is None, functools.partial(
             self.prompts, messages=messages, prompt=prompt, token_ids=token_ids,
-            request_id=client_id)
+            request_id=client_id, continue_final=bool(request.continue_final_message))
 
-    def _fit(self, n: int, params: SamplingParams, unset_max: bool,
-             client_id: str) -> SamplingParams:
+    def _check_vocabulary(self, params: SamplingParams, client_id: str) -> None:
+        """Raise InvalidRequest for a stop_token_ids entry or a logit_bias key outside the
+        vocabulary (vLLM answers 400 for both)."""
+        vocab = self.prompts.vocab_size
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= vocab:
+                raise InvalidRequest(f"stop_token_ids[{i}] ({t}) is outside the vocabulary "
+                                     f"(ids 0 to {vocab - 1})",
+                                     param=f"$.params.stop_token_ids[{i}]", request_id=client_id)
+        for t in sorted(params.logit_bias or ()):
+            if t >= vocab:
+                raise InvalidRequest(f"logit_bias has token id {t}, outside the vocabulary "
+                                     f"(ids 0 to {vocab - 1})", param="$.params.logit_bias",
+                                     request_id=client_id)
+
+    def _no_room(self, what: str, request: EngineRequest, client_id: str) -> None:
+        """Raise ContextLengthExceeded for a request without max_tokens whose prompt leaves
+        no room for output; it names the prompt's field (the client sent no max_tokens)."""
+        field = ("$.messages" if request.messages is not None else
+                 "$.prompt" if request.prompt is not None else "$.prompt_token_ids")
+        raise ContextLengthExceeded(
+            f"{what} leaves no room for output: a request holds at most {self.room} tokens "
+            "(the context, or the whole KV cache where that is smaller)", param=field,
+            request_id=client_id, prompt_alone=True)
+
+    def _fit(self, n: int, params: SamplingParams, unset_max: bool, client_id: str,
+             request: EngineRequest) -> SamplingParams:
         """params for a prompt of n tokens: an unset max_tokens becomes the default output
-        limit for what the context and the KV cache leave; then `check_fits`."""
+        limit, what the context and the KV cache leave (vLLM's rule; the generation
+        config's max_new_tokens caps it); then `check_fits`."""
         if unset_max:
-            if n >= self.room:  # no default can help: say so without naming max_tokens
-                raise ContextLengthExceeded(
-                    f"the prompt ({n} tokens) leaves no room for output: a request holds at "
-                    f"most {self.room} tokens (the context, or the whole KV cache where that "
-                    "is smaller)", param="$.params.max_tokens", request_id=client_id,
-                    prompt_alone=True)
+            if n >= self.room:
+                self._no_room(f"the prompt ({n} tokens)", request, client_id)
             params = msgspec.structs.replace(
                 params, max_tokens=self.defaults.output_limit(n, self.room))
+            if params.min_tokens > params.max_tokens:
+                raise InvalidRequest(
+                    f"min_tokens ({params.min_tokens}) is more than the room the context "
+                    f"leaves for output ({params.max_tokens} tokens)",
+                    param="$.params.min_tokens", request_id=client_id)
         self.check_fits(n, params, client_id)
         return params
 

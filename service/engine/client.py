@@ -51,6 +51,10 @@ class EngineRequest:
     arrival_time: `time.monotonic()` of receipt, s (default: when the engine gets it);
         TTFT and E2E latency count from it.
     connection_id: logged with every line about the request ("c7").
+    continue_final_message: with `messages`, the output continues the last message (no
+        generation prompt; the template cut after that message's content), vLLM's field.
+    return_prompt_token_ids: the first Delta carries the prompt's token ids (the engine's
+        tokenization; `stream.with_prompt_token_ids`).
     """
 
     messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None
@@ -61,6 +65,8 @@ class EngineRequest:
     client_id: str | None = None
     arrival_time: float | None = None
     connection_id: str | None = None
+    continue_final_message: bool = False
+    return_prompt_token_ids: bool = False
 
     def resolved(self) -> EngineRequest:
         """This request with request_id, client_id and arrival_time filled in."""

@@ -89,6 +89,8 @@ class IncrementalDetokenizer:
             context so that the first output token decodes as it reads after the prompt.
         stop: stop strings (non-empty); output ends before the first occurrence of any.
         skip_special_tokens: drop special tokens (EOS, `<|im_end|>`, ...) from the text.
+        min_tokens: the text of the first min_tokens ids is released without a search
+            for stop strings (vLLM's `min_tokens`: they cannot end the output that early).
 
     Raises:
         TypeError: the tokenizer has no `tokenizers` backend.
@@ -105,6 +107,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             raise ValueError("stop must be a sequence of strings, not a single string")
@@ -116,6 +119,10 @@ class IncrementalDetokenizer:
         self._special = _special_ids(self._backend) if skip_special_tokens else frozenset()
         self._stop: tuple[str, ...] = tuple(dict.fromkeys(stop))
         self._stop_first_chars = frozenset(s[0] for s in self._stop)
+        # vLLM's min_tokens: no stop string is looked for in the text of the first
+        # min_tokens output tokens (it is released as it comes)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
 
         # Decode window: ids[:read] are already emitted (or prompt) context whose
         # text is `_prefix_text`; ids[read:] are not yet released.
@@ -174,10 +181,14 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             if token_id < 0:
                 raise ValueError(f"token ids must be >= 0, got {token_id}")
+            self._num_tokens += 1
             if token_id in self._special:
                 continue  # decodes to nothing and would only widen the window
             new_text = self._decode_new(token_id)
             if not new_text:
+                continue
+            if self._num_tokens <= self._min_tokens:  # not searched for stop strings
+                released.append(new_text)
                 continue
             text, stop_hit = self._add_text(new_text)
             released.append(text)

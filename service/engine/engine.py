@@ -39,7 +39,7 @@ from service.engine.output_processor import LiveRequest
 from service.engine.sampling_defaults import (SamplingDefaults, load_sampling_defaults,
                                               log_sampling_defaults)
 from service.engine.step_loop import StepLoop
-from service.engine.stream import Sink
+from service.engine.stream import Sink, with_prompt_token_ids
 
 log = structlog.get_logger(__name__)
 
@@ -296,7 +296,10 @@ class Engine(EngineClient):
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
         runner = self.runner
         req = Request(key, ids, params, runner.eos_token_ids, arrival_time=request.arrival_time)
-        detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop)
+        detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop,
+                                       min_tokens=params.min_tokens)
+        if request.return_prompt_token_ids:
+            sink = with_prompt_token_ids(sink, ids)
         self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok))
         return len(ids)
 

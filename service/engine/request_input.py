@@ -184,9 +184,12 @@ class PromptTokenizer:
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, token_ids: Sequence[int] | None = None,
-                 request_id: str | None = None) -> list[int]:
+                 request_id: str | None = None, continue_final: bool = False) -> list[int]:
         """Token ids of exactly one of `messages` (chat template with the generation prompt
         added), `prompt` (raw text, no template, special tokens parsed) or `token_ids`.
+        continue_final: the messages' template without a generation prompt, cut right
+        after the last message's content, which the output then continues (vLLM's and
+        transformers' `continue_final_message`).
 
         Raises InvalidRequest (with the JSON path of the field) for zero or several prompt
         forms, out-of-vocabulary ids, an unknown role, a template that fails, or a prompt
@@ -209,7 +212,8 @@ class PromptTokenizer:
             param = "$.prompt"
         else:
             assert messages is not None
-            ids = self._chat(messages, request_id)
+            ids = self._chat(messages, request_id, add_generation_prompt=not continue_final,
+                             cut_after_last=continue_final)
             param = "$.messages"
         if not ids:
             raise InvalidRequest("the prompt has zero tokens", param=param, request_id=request_id)
@@ -232,7 +236,8 @@ class PromptTokenizer:
                           add_generation_prompt=add_generation_prompt)
 
     def _chat(self, messages: Sequence[ChatMessage], request_id: str | None, *,
-              after: int | None = None, add_generation_prompt: bool = True) -> list[int]:
+              after: int | None = None, add_generation_prompt: bool = True,
+              cut_after_last: bool = False) -> list[int]:
         for i, m in enumerate(messages):
             if m.role not in self.roles:
                 raise InvalidRequest(f"role {m.role[:64]!r} is not one this model's chat template "
@@ -248,20 +253,31 @@ class PromptTokenizer:
         # control spans [(0, 12), (19, 29)]; "user\nHi" and "\n" are plain text.
         text, controls = [], []
         offset = begin = 0  # begin: where the ids start (after the content of `after`)
+        cut = None  # cut_after_last: where the last message's content ends
         for k, piece in enumerate(pieces):
             if k % 2:
                 index = int(piece)
                 piece = messages[index].content
                 if index == after:
                     begin = offset + len(piece)
+                if index == len(messages) - 1:
+                    cut = offset + len(piece)
             elif self._added is not None:
                 controls += [(offset + m.start(), offset + m.end())
                              for m in self._added.finditer(piece)]
             text.append(piece)
             offset += len(piece)
         real = "".join(text)
-        if real != self._render([{"role": m.role, "content": m.content} for m in messages],
-                                request_id, add_generation_prompt):
+        rendered = self._render([{"role": m.role, "content": m.content} for m in messages],
+                                request_id, add_generation_prompt)
+        if cut_after_last:
+            if cut is None:
+                raise InvalidRequest("continue_final_message: the chat template does not "
+                                     "render the last message's content",
+                                     param="$.messages", request_id=request_id)
+            controls = [c for c in controls if c[1] <= cut]
+            real, rendered = real[:cut], rendered[:cut]
+        if real != rendered:
             # The template rewrites contents (e.g. `| trim`): pieces cannot be told apart,
             # so refuse control-token text in any content rather than parse it.
             for i, m in enumerate(messages):

@@ -13,12 +13,12 @@ value here, once, at admission (`SamplingDefaults.apply`, called by
     vllm   the neutral values: temperature 1.0, top_p 1.0, top_k 0 (off), min_p 0.0 (off)
     PATH   a folder holding `generation_config.json`, or that file itself
 
-`max_new_tokens` is the default output limit, as vLLM applies it: a request that sets
-no `max_tokens` gets `min(max_new_tokens, room)`, room = what the context (max_model_len,
-or a smaller whole KV cache) leaves after its prompt; a request's explicit `max_tokens`
-always wins, above or below it (it is never a cap). Without `max_new_tokens` an unset
-`max_tokens` is 256 (PROTOCOL.md), refused with `context_length_exceeded` when it does
-not fit. `repetition_penalty` is not applied (the sampler has none).
+An unset `max_tokens` is the room the context leaves, vLLM's rule: room = max_model_len
+(or a smaller whole KV cache) minus the prompt; the generation config's `max_new_tokens`,
+where it sets one, caps it. A request's explicit `max_tokens` always wins, above or below
+`max_new_tokens` (it is never a cap), and is refused with `context_length_exceeded` when it
+does not fit. `repetition_penalty` from the generation config is the default of an unset
+`repetition_penalty` (the sampler applies it: `service.worker.logits_processors`).
 
 `top_k: 1` in a generation config makes every request that leaves top_k unset greedy,
 whatever its temperature: `SamplingDefaults.warnings` says so, and the engine logs it at
@@ -35,7 +35,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from protocol import DEFAULT_MAX_TOKENS, SamplingParams
+from protocol import SamplingParams
 
 __all__ = ["MODEL_CARD_DEFAULTS", "SamplingDefaults", "load_sampling_defaults",
            "log_sampling_defaults"]
@@ -43,6 +43,9 @@ __all__ = ["MODEL_CARD_DEFAULTS", "SamplingDefaults", "load_sampling_defaults",
 log = structlog.get_logger(__name__)
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""The defaults `hello.sampling_defaults` reports (PROTOCOL.md)."""
+PENALTY_KEYS = ("repetition_penalty",)
+"""Further generation-config defaults an unset value takes (not in `hello`)."""
 LIMIT_KEY = "max_new_tokens"
 
 MODEL_CARD_DEFAULTS: tuple[tuple[re.Pattern[str], dict[str, float], str], ...] = (
@@ -60,7 +63,7 @@ class SamplingDefaults:
     """The values unset sampling parameters take, and where they came from.
 
     temperature in [0, 100], top_p in (0, 1], top_k >= 0 (0 = off), min_p in [0, 1]
-    (0 = off); max_new_tokens in [1, 2**31 - 1] or None (tokens: the default
+    (0 = off), repetition_penalty in (0, 2] (1 = off); max_new_tokens in [1, 2**31 - 1] or None (tokens: the default
     `max_tokens`, see the module docstring); `source` says where they were read, e.g.
     "vllm (neutral)" or a path. Raises ValueError naming the field for a value out of range.
     """
@@ -69,25 +72,25 @@ class SamplingDefaults:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     source: str = "vllm (neutral)"
     max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         try:  # the wire's own ranges (protocol.messages.SamplingParams)
-            msgspec.convert({**self.as_dict(), "max_tokens": self.max_new_tokens},
+            msgspec.convert({**self.as_dict(), "max_tokens": self.max_new_tokens,
+                             "repetition_penalty": self.repetition_penalty},
                             SamplingParams)
         except msgspec.ValidationError as e:
             raise ValueError(f"sampling defaults from {self.source}: "
                              f"{str(e).replace('max_tokens', LIMIT_KEY)}") from None
 
     def output_limit(self, prompt_tokens: int, room: int) -> int:
-        """The max_tokens of a request that sets none: max_new_tokens capped by what
-        `room` (tokens: the context, or the KV cache if smaller) leaves after
-        `prompt_tokens` (at least 1), or DEFAULT_MAX_TOKENS (256, never capped: a prompt
-        it does not fit is refused) without one."""
-        if self.max_new_tokens is None:
-            return DEFAULT_MAX_TOKENS
-        return max(1, min(self.max_new_tokens, room - prompt_tokens))
+        """The max_tokens of a request that sets none: what `room` (tokens: the context,
+        or the KV cache if smaller) leaves after `prompt_tokens` (at least 1; vLLM's
+        rule), capped by max_new_tokens where the generation config sets one."""
+        left = max(1, room - prompt_tokens)
+        return left if self.max_new_tokens is None else min(self.max_new_tokens, left)
 
     def warnings(self) -> list[str]:
         """What a start-up log should warn of in these defaults (e.g. top_k 1: greedy)."""
@@ -104,7 +107,7 @@ class SamplingDefaults:
               room: int = 2**31 - 1) -> SamplingParams:
         """`params` with every unset (None) sampling field replaced by its default, and an
         unset max_tokens by ``output_limit(prompt_tokens, room)``."""
-        unset: dict[str, float] = {k: v for k, v in self.as_dict().items()
+        unset: dict[str, float] = {k: getattr(self, k) for k in SAMPLING_KEYS + PENALTY_KEYS
                                    if getattr(params, k) is None}
         if params.max_tokens is None:
             unset["max_tokens"] = self.output_limit(prompt_tokens, room)
@@ -120,7 +123,8 @@ def _read_json(path: Path) -> dict[str, float]:
         raise ValueError(f"{path}: not a readable generation config: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: a generation config is a JSON object")
-    return {k: raw[k] for k in (*SAMPLING_KEYS, LIMIT_KEY) if raw.get(k) is not None}
+    return {k: raw[k] for k in (*SAMPLING_KEYS, *PENALTY_KEYS, LIMIT_KEY)
+            if raw.get(k) is not None}
 
 
 def _from_values(values: dict[str, float], source: str) -> SamplingDefaults:
@@ -158,10 +162,12 @@ def load_sampling_defaults(mode: str, model_path: str | None, model_name: str) -
 
 def log_sampling_defaults(defaults: SamplingDefaults) -> None:
     """The start-up log lines of the defaults: the values (the output limit included:
-    max_new_tokens, or the protocol's 256 when the model sets none) and any warning."""
+    max_new_tokens, or the room the context leaves when the model sets none) and any
+    warning."""
     log.info("sampling_defaults", source=defaults.source, **defaults.as_dict(),
-             default_max_tokens=defaults.max_new_tokens or DEFAULT_MAX_TOKENS,
+             repetition_penalty=defaults.repetition_penalty,
+             default_max_tokens=defaults.max_new_tokens or "the room the context leaves",
              default_max_tokens_from=LIMIT_KEY if defaults.max_new_tokens is not None
-             else "protocol default")
+             else "vLLM's rule")
     for warning in defaults.warnings():
         log.warning("sampling_defaults_greedy", message=warning)

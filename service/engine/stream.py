@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
+
 from protocol import Delta, Done, Error
 
 Event = Delta | Error | Done
@@ -38,3 +40,27 @@ class RequestStream:
         if isinstance(event, Done):
             self.finished = True
         return event
+
+
+def with_prompt_token_ids(sink: Sink, prompt_token_ids: list[int]) -> Sink:
+    """`sink` with the prompt's token ids on the request's first Delta (an empty Delta
+    before its Done when it has none: EOS sampled first; none after an Error), for a request
+    that asked for them (`EngineRequest.return_prompt_token_ids`, vLLM's
+    `return_token_ids`). A first Delta that already carries them is passed as it is."""
+    first = True
+
+    def wrapped(event: Event) -> None:
+        nonlocal first
+        if first and isinstance(event, Delta):
+            first = False
+            if event.prompt_token_ids is None:
+                event = msgspec.structs.replace(event, prompt_token_ids=list(prompt_token_ids))
+        elif first and isinstance(event, Error):
+            first = False
+        elif first and isinstance(event, Done):
+            first = False
+            sink(Delta(id=event.id, index=0, text="", token_ids=[],
+                       prompt_token_ids=list(prompt_token_ids)))
+        sink(event)
+
+    return wrapped

@@ -39,6 +39,7 @@ from service.core.kv_disk import DiskBlock, LoadResult
 from service.core.kv_disk_index import DiskIndex
 from service.worker.kv_block_file import (BlockFileError, file_nbytes, read_block_file_into,
                                           write_block_file)
+from service.worker.kv_disk_budget import DirectoryLedger, Held
 from service.worker.kv_fingerprint import fingerprint_digest, kv_fingerprint_fields
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class DiskTierStats:
     bytes_read: int = 0
     writes_dropped: int = 0      # the write queue was full
     writes_skipped: int = 0      # blocks whose sequence outgrew the tier (each once)
+    writes_dropped_full: int = 0  # blocks not written: other engines' blocks fill the directory
     eviction_saves: int = 0      # queued when the pool evicted them (not saved before)
     blocks_evicted: int = 0
     bad_files_at_start: int = 0  # wrong size, deleted by the start-up scan
@@ -75,12 +77,13 @@ class _WriteJob:
 
 
 class DiskTier:
-    """Block files of one KV fingerprint under `path`, bounded to `capacity_bytes` (least
+    """Block files of one KV fingerprint under `path`; the directory's block files of every
+    engine and fingerprint are bounded to `capacity_bytes` together (`kv_disk_budget`; least
     recently used sequence ends evicted first: `service.core.kv_disk_index`).
 
     Args:
         path: the tier's directory (shared by every engine given it; created if missing).
-        capacity_bytes: most bytes of block files this engine keeps.
+        capacity_bytes: most bytes of block files under `path`, all engines together.
         fields: the KV fingerprint's fields (`service.worker.kv_fingerprint`).
         kv_caches: the pool's KV tensors, one per layer, [2, num_blocks, block_size, Hkv, D].
         queue_bytes: most K/V bytes waiting to be written (beyond it saves are dropped);
@@ -124,6 +127,7 @@ class DiskTier:
         self._load_q: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._done: collections.deque[LoadResult] = collections.deque()
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.ledger = DirectoryLedger(Path(path))
         (self.dir / "fingerprint.json").write_text(json.dumps(fields, indent=1, default=str))
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="conveyor-kv-disk-writer",
@@ -170,12 +174,19 @@ class DiskTier:
         if self.stats.bad_files_at_start:
             log.warning("kv disk tier: deleted %d block files of the wrong size",
                         self.stats.bad_files_at_start)
-        self._evict(self.index.make_room(0) or [])
+        # the directory's total, recounted; this engine's blocks evicted while it is over
+        with self.ledger.locked(recount=True) as held:
+            others = max(0, held.total - self.index.total_bytes)
+            victims = self.index.make_room(min(others, self.index.capacity_bytes))
+            self._evict(victims or [], held)
 
-    def _evict(self, digests: list[bytes]) -> None:
+    def _evict(self, digests: list[bytes], held: Held) -> None:
+        """Delete evicted blocks' files; the directory's ledger (its lock held) loses the
+        bytes of those this engine deleted (not of those another one deleted first)."""
         for d in digests:
             try:
                 os.unlink(self.path_of(d))
+                held.add(-self.file_nbytes)
             except FileNotFoundError:
                 pass
             self.stats.blocks_evicted += 1
@@ -335,18 +346,30 @@ class DiskTier:
                     return
                 with self._lock:
                     after_skipped = block.parent is not None and block.parent in self._too_long
-                victims = None if after_skipped else self.index.make_room(
-                    self.file_nbytes, () if block.parent is None else (block.parent,))
-                if victims is None:
-                    with self._lock:
+                keep = () if block.parent is None else (block.parent,)
+                own = self.index.chain_bytes(block.parent) if keep and \
+                    block.parent in self.index else 0
+                if after_skipped or own + self.file_nbytes > self.index.capacity_bytes:
+                    with self._lock:  # too long for the tier even alone: never again
                         self._skip(block.digest)
                     continue
-                self._evict(victims)
-                payload = job.staging[:, :, i].contiguous()  # [L, 2, block_size, Hkv, D]
                 path = self.path_of(block.digest)
-                path.parent.mkdir(exist_ok=True)
-                size = write_block_file(path, self.root, block.digest, block.token_ids,
-                                        payload.view(torch.uint8).numpy().data)
+                with self.ledger.locked() as held:  # the directory's one budget
+                    # bytes other engines hold in the directory: room for them too
+                    others = max(0, held.total - self.index.total_bytes)
+                    victims = self.index.make_room(self.file_nbytes + others, keep)
+                    if victims is None:  # the others' blocks fill it: not written now
+                        self.stats.writes_dropped_full += 1
+                        continue
+                    self._evict(victims, held)
+                    if path.exists():  # another engine wrote it meanwhile
+                        self.index.add(block.digest, self.file_nbytes, block.parent)
+                        continue
+                    payload = job.staging[:, :, i].contiguous()  # [L, 2, block_size, Hkv, D]
+                    path.parent.mkdir(exist_ok=True)
+                    size = write_block_file(path, self.root, block.digest, block.token_ids,
+                                            payload.view(torch.uint8).numpy().data)
+                    held.add(size)
                 self.index.add(block.digest, size, block.parent)
                 written.append(block)
                 self.stats.blocks_written += 1
@@ -420,7 +443,10 @@ class DiskTier:
             except BlockFileError as e:
                 self._miss(digest, e.reason, str(e))
                 try:
-                    os.unlink(path)
+                    with self.ledger.locked() as held:
+                        size = os.stat(path).st_size
+                        os.unlink(path)
+                        held.add(-size)
                 except OSError:
                     pass
                 break

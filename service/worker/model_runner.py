@@ -34,6 +34,8 @@ from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
+from service.worker.logits_processors import (RowHistory, apply_logits_processors,
+                                              needs_prompt, plan_logits_processing)
 from service.worker.logprob_rows import prompt_rows, sampled_logprobs, score_prompt_rows
 from service.worker.sampler import (GREEDY_EPS, build_sampling_tensors, check_sampling_params,
                                    greedy_tokens, make_generator, sample)
@@ -134,6 +136,8 @@ class ModelRunner:
         self.tokenizer = self.loaded.tokenizer
         self.vocab = self.model.vocab_size
         self._generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
+        # prompts as int64 tensors of requests with a repetition penalty, by request id
+        self._prompt_ids: dict[str, torch.Tensor] = {}
         self.block_size = cc.block_size
         model_len, capped = context_limit(self.loaded.hf_config, self.model.max_position)
         if capped is not None and (mc.max_model_len or model_len + 1) > model_len:
@@ -470,6 +474,7 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_request_ids:
             self._generators.pop(rid, None)
+            self._prompt_ids.pop(rid, None)
         if self.model is None:
             raise RuntimeError("the model runner was released (its engine is closed)")
         if not out.sequences:
@@ -525,6 +530,7 @@ class ModelRunner:
             logits = logits[keep]
             if not sampling:
                 return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
+        logits, raw_logits = self._logits_processors(logits, sampling)
         greedy = all(s.params.temperature is not None and s.params.temperature < GREEDY_EPS
                      for s in sampling)
         if greedy:  # no sampling tensors to build: one argmax a row
@@ -533,7 +539,7 @@ class ModelRunner:
             tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
             token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling])
         tokens = token_tensor.tolist()
-        lps = sampled_logprobs(logits, token_tensor, sampling)
+        lps = sampled_logprobs(raw_logits, token_tensor, sampling)
         if tm is not None:
             tm.lap("sample")
         sampled = {}
@@ -543,6 +549,42 @@ class ModelRunner:
             else:
                 sampled[s.request_id] = t
         return RunnerOutput(sampled, failed, lps, prompt_lps)
+
+    def _logits_processors(self, logits: torch.Tensor,
+                           sampling: list[ScheduledSequence]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """THE step where per-row logits processors change the sampling logits [S, V]
+        (float32, in place), before greedy argmax or `sample`: min_tokens, logit_bias and
+        the penalties (`logits_processors`); a per-row token mask (structured output)
+        belongs here too. Rows that ask for none are not touched, and nothing runs in a
+        step where no row asks. Returns (the logits to sample from, those to score
+        logprobs on: the raw ones, a copy made before processing only when a processed row
+        asks for logprobs).
+        """
+        histories = [RowHistory(i, s.token_history[1], self._prompt_tensor(s), s.params)
+                     for i, s in enumerate(sampling) if s.token_history is not None]
+        if not histories:
+            return logits, logits
+        plan = plan_logits_processing(histories, sorted(self.eos_token_ids), self.vocab)
+        if plan is None:
+            return logits, logits
+        raw = logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()  # a new tensor: raw stays as it was
+        elif any(sampling[i].params.logprobs is not None for i in plan.rows):
+            raw = logits.clone()
+        return apply_logits_processors(logits, plan), raw
+
+    def _prompt_tensor(self, seq: ScheduledSequence) -> torch.Tensor | None:
+        """A repetition-penalised request's prompt as int64 [P] (made once, kept until it
+        finishes), else None."""
+        if not needs_prompt(seq.params):
+            return None
+        ids = self._prompt_ids.get(seq.request_id)
+        if ids is None:
+            ids = self._prompt_ids[seq.request_id] = torch.tensor(seq.token_history[0],
+                                                                  dtype=torch.int64)
+        return ids
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
         """The request's own generator when it has a seed (made on its first sample)."""

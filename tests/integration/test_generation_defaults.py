@@ -74,12 +74,12 @@ async def test_the_context_still_caps_the_default(tmp_path, loaded_model):
         await engine.close()
 
 
-async def test_without_max_new_tokens_an_unset_limit_is_256(tmp_path, loaded_model):
+async def test_without_max_new_tokens_an_unset_limit_is_the_room_left(tmp_path, loaded_model):
     engine = await Engine(_config(tmp_path, {"temperature": 0.5}), loaded=loaded_model).start()
     try:
-        params = (await engine._admission.prepare(EngineRequest(prompt=PROMPT,
-                                                                client_id="x")))[1]
-        assert params.max_tokens == 256
+        ids, params = await engine._admission.prepare(EngineRequest(prompt=PROMPT,
+                                                                    client_id="x"))
+        assert params.max_tokens == engine._admission.room - len(ids)  # vLLM's rule
     finally:
         await engine.close()
 

@@ -223,7 +223,8 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"a": 2}}, "logit_bias"),
+    ({"logit_bias": {"1": 200}}, "logit_bias"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]},
                                      "messages[0].role"),
@@ -303,7 +304,8 @@ def test_bad_completion_fields_and_http_errors(server):
     r = httpx.post(url + "/chat/completions", headers=auth,
                    json={"messages": [{"role": "user", "content": "x" * 70_000}]})
     assert r.status_code == 413 and r.json()["error"]["param"] is None
-    r = httpx.post(url + "/chat/completions", headers=auth, content=b"{not json")
+    r = httpx.post(url + "/chat/completions", content=b"{not json",
+                   headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(url + "/nope", headers=auth, json={})  # OpenAI's body for routing errors too
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -19,6 +19,7 @@ from protocol import (
     Hello,
     Ping,
     Pong,
+    ProtocolError,
     SamplingParams,
     Timings,
     Usage,
@@ -193,7 +194,33 @@ def test_sampling_params_defaults_are_the_protocol_table() -> None:
         # (the WebSocket route refuses them, tests/integration/test_server.py)
         "logprobs": None,
         "prompt_logprobs": None,
+        # PROTOCOL.md's penalties and constraints (issue 48); repetition_penalty unset:
+        # the generation config's, else 1.0
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": None,
+        "logit_bias": None,
+        "min_tokens": 0,
     }
+
+
+def test_logit_bias_decodes_from_string_keys_and_is_range_checked() -> None:
+    msg = decode_client_frame(json.dumps({"type": "generate", "id": "a", "prompt": "x",
+                                          "params": {"logit_bias": {"12": -3, "7": 100}}}))
+    assert msg.params.logit_bias == {12: -3.0, 7: 100.0}
+    for bias, path in (({"-1": 1}, "$.params.logit_bias"), ({"1": 101}, "$.params.logit_bias"),
+                       ({"x": 1}, "$.params.logit_bias")):
+        with pytest.raises(ProtocolError) as e:
+            decode_client_frame(json.dumps({"type": "generate", "id": "a", "prompt": "x",
+                                            "params": {"logit_bias": bias}}))
+        assert e.value.param.startswith(path), e.value.param
+    for name, value in (("presence_penalty", 2.5), ("frequency_penalty", -2.5),
+                        ("repetition_penalty", 0.0), ("repetition_penalty", 2.5),
+                        ("min_tokens", -1)):
+        with pytest.raises(ProtocolError) as e:
+            decode_client_frame(json.dumps({"type": "generate", "id": "a", "prompt": "x",
+                                            "params": {name: value}}))
+        assert e.value.param == f"$.params.{name}"
 
 
 def test_sampling_params_are_frozen_and_hashable() -> None:

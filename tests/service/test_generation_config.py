@@ -89,9 +89,23 @@ def test_max_new_tokens_is_the_default_limit_never_a_cap(tmp_path) -> None:
     assert d.apply(SamplingParams(max_tokens=500), 10, 8192).max_tokens == 500  # explicit wins
     assert d.apply(SamplingParams(max_tokens=3), 10, 8192).max_tokens == 3
     neutral = SamplingDefaults()
-    assert neutral.apply(SamplingParams(), 8180, 8192).max_tokens == 256  # refused, not cut
+    # without max_new_tokens: the room the context leaves (vLLM's rule)
+    assert neutral.apply(SamplingParams(), 8180, 8192).max_tokens == 12
+    assert neutral.apply(SamplingParams(), 10, 8192).max_tokens == 8182
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingDefaults(max_new_tokens=0)
+
+
+def test_repetition_penalty_default_comes_from_the_generation_config(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text('{"repetition_penalty": 1.3}')
+    d = load_sampling_defaults("auto", str(tmp_path), SMOL)
+    assert d.repetition_penalty == 1.3
+    assert d.apply(SamplingParams()).repetition_penalty == 1.3
+    assert d.apply(SamplingParams(repetition_penalty=1.0)).repetition_penalty == 1.0  # set wins
+    assert "repetition_penalty" not in d.as_dict()  # hello's sampling_defaults: PROTOCOL.md's four
+    assert SamplingDefaults().apply(SamplingParams()).repetition_penalty == 1.0
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingDefaults(repetition_penalty=0.0)
 
 
 def test_top_k_1_is_warned_of() -> None:

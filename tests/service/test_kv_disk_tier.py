@@ -319,3 +319,45 @@ def test_start_up_scan_deletes_files_of_the_wrong_size(tmp_path, tier):
         assert not victim.exists()
     finally:
         again.close()
+
+
+def directory_block_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*.kvb"))
+
+
+def test_engines_sharing_a_directory_share_one_budget(tmp_path):
+    """Two engines (two fingerprints, as two servers of different models) on one DIR, each
+    given a budget of 9 blocks: the directory holds at most 9 blocks' bytes, not 18."""
+    size = block_file_bytes(tmp_path)
+    budget = 9 * size
+    a = DiskTier(tmp_path / "dir", budget, FIELDS, caches())
+    b = DiskTier(tmp_path / "dir", budget, {**FIELDS, "model": "other"}, caches())
+    try:
+        written = 0
+        for k in range(4):  # 4 sequences of 4 blocks each, alternating engines
+            for tier in (a, b):
+                tokens = [t + 1000 * (k + 1) + (0 if tier is a else 500) for t in TOKENS]
+                tier.save(blocks_of(tier, tokens, [5, 2, 7, 1], chained=True))
+                written += 4
+                deadline = time.monotonic() + 10
+                while tier._inflight_bytes or tier._queued:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                assert directory_block_bytes(tmp_path / "dir") <= budget
+        assert a.stats.blocks_written + b.stats.blocks_written > 9  # eviction did happen
+        assert a.stats.blocks_written and b.stats.blocks_written
+        ledger = int((tmp_path / "dir" / ".kv-disk-bytes").read_text())
+        assert ledger == directory_block_bytes(tmp_path / "dir")
+    finally:
+        a.close()
+        b.close()
+    # a restart recounts the directory, and a smaller budget evicts down to it
+    c = DiskTier(tmp_path / "dir", 3 * size, FIELDS, caches())
+    try:
+        assert directory_block_bytes(tmp_path / "dir") <= 9 * size
+        # c evicts its own blocks only: down to the budget, or to none where b's fill it
+        assert directory_block_bytes(tmp_path / "dir") <= 3 * size or c.index.total_bytes == 0
+        assert int((tmp_path / "dir" / ".kv-disk-bytes").read_text()) == \
+            directory_block_bytes(tmp_path / "dir")
+    finally:
+        c.close()

@@ -75,7 +75,7 @@ def param_of(path: str | None, renames: dict[str, str]) -> str | None:
     field the client sent (max_tokens -> max_completion_tokens)."""
     if path is None:
         return None
-    p = path.removeprefix("$.").removeprefix("params.")
+    p = path.removeprefix("$.").removeprefix("params.").replace("[...]", "")  # a dict's value
     head, sep, tail = p.partition(".")
     base = head.split("[")[0]
     if base in renames:

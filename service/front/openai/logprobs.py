@@ -24,7 +24,7 @@ from typing import Any
 
 from protocol.messages import TokenLogprob
 
-__all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs"]
+__all__ = ["TokenTexts", "chat_logprobs", "completion_logprobs", "vllm_prompt_logprobs"]
 
 FLOOR = -9999.0
 
@@ -82,3 +82,25 @@ def completion_logprobs(ids: list[int], lps: list[TokenLogprob | None], texts: T
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}, offset
+
+
+def vllm_prompt_logprobs(ids: list[int], lps: list[TokenLogprob | None], texts: TokenTexts,
+                         num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing predicts
+    it), else {str(token id): {"logprob", "rank", "decoded_token"}} holding the prompt's
+    own token and the `num_top` most likely ones. rank: 1 for the most likely; the prompt
+    token's rank is known only when it is among those shown (else null)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, lp in zip(ids, lps):
+        if lp is None:
+            out.append(None)
+            continue
+        entry: dict[str, dict[str, Any]] = {}
+        for rank, (t, v) in enumerate(lp.top[:num_top], start=1):
+            entry[str(t)] = {"logprob": _finite(v), "rank": rank, "decoded_token": texts(t)}
+        if str(token_id) not in entry:
+            rank = next((r for r, (t, _) in enumerate(lp.top, start=1) if t == token_id), None)
+            entry = {str(token_id): {"logprob": _finite(lp.logprob), "rank": rank,
+                                     "decoded_token": texts(token_id)}, **entry}
+        out.append(entry)
+    return out

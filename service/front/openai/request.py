@@ -3,14 +3,19 @@
 Served (OpenAI's names; the engine checks every value's range as the wire does):
     both:  model (absent or the served name), max_tokens, temperature, top_p, seed,
            stop (a string or up to 8), n (1..MAX_N; choice i of a seeded request uses
-           seed + i), user, stream, stream_options.include_usage; the extras vLLM accepts:
-           top_k, min_p, ignore_eos, priority, stop_token_ids; presence_penalty /
-           frequency_penalty only at 0; accepted and ignored: metadata, store, service_tier
+           seed + i), user, stream, stream_options (include_usage, continuous_usage_stats:
+           usage in every chunk), presence_penalty, frequency_penalty, logit_bias (token
+           id strings -> [-100, 100]); the extras vLLM accepts: top_k, min_p, ignore_eos,
+           priority, stop_token_ids, repetition_penalty, min_tokens, prompt_logprobs (not
+           with stream, as vLLM), return_token_ids; accepted and ignored: metadata,
+           store, service_tier
     chat:  messages (role system / developer (sent as system) / user / assistant / tool,
            content a string or a list of {"type": "text", "text"} parts; a tool message's
            tool_call_id is accepted, the content alone rendered),
            max_completion_tokens, response_format {"type": "text"}, empty tools,
-           tool_choice "none", parallel_tool_calls
+           tool_choice "none", parallel_tool_calls; vLLM's echo (the last message's
+           content before the answer when it is the assistant's), continue_final_message
+           and add_generation_prompt (not both true)
     completions: prompt (a string, a list of strings, token ids, a list of token-id
            lists; each prompt gets n choices), echo, best_of (= n)
     logprobs: chat `logprobs` (a boolean) + `top_logprobs` (0..20, needs logprobs);
@@ -18,7 +23,7 @@ Served (OpenAI's names; the engine checks every value's range as the wire does):
            with `echo` the prompt tokens' too (lm-eval's loglikelihood requests). Values
            are the model's raw distribution (`protocol.SamplingParams`).
 Refused with 400 naming the field: tools,
-functions, tool_choice other than "none", response_format other than text, logit_bias,
+functions, tool_choice other than "none", response_format other than text,
 suffix, audio, modalities, prediction, web_search_options, and any unknown field.
 """
 
@@ -34,11 +39,13 @@ MAX_N = 16
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user", "stream",
            "stream_options", "top_k", "min_p", "ignore_eos", "priority", "stop_token_ids",
            "presence_penalty", "frequency_penalty", "logprobs", "metadata", "store",
-           "service_tier"}
+           "service_tier", "repetition_penalty", "logit_bias", "min_tokens",
+           "prompt_logprobs", "return_token_ids"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools",
-                   "tool_choice", "parallel_tool_calls", "top_logprobs"}
+                   "tool_choice", "parallel_tool_calls", "top_logprobs", "echo",
+                   "continue_final_message", "add_generation_prompt"}
 _COMPLETIONS = _COMMON | {"prompt", "echo", "best_of"}
-_UNSUPPORTED = {"functions", "function_call", "logit_bias", "suffix", "audio", "modalities",
+_UNSUPPORTED = {"functions", "function_call", "suffix", "audio", "modalities",
                 "prediction", "web_search_options", "reasoning_effort", "verbosity"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
@@ -52,8 +59,14 @@ class Plan:
         per prompt; choices: len(prompts) x n, choice index = prompt index x n + j.
     params: SamplingParams fields (the engine checks them); renames: our param -> the
         field the client named (for error `param`s).
-    echo: put each prompt before its completions (completions' echo); with `logprobs`
-        the prompt tokens are scored too (params["prompt_logprobs"]).
+    echo: put each prompt before its completions (completions' echo; chat: the last
+        message's content, when it is the assistant's); with `logprobs` the prompt tokens
+        are scored too (params["prompt_logprobs"]).
+    continuous_usage: `stream_options.continuous_usage_stats`: usage in every chunk.
+    return_prompt_logprobs: vLLM's `prompt_logprobs` field was sent (its value is
+        params["prompt_logprobs"]): the response carries them.
+    return_token_ids: vLLM's `return_token_ids`: prompt_token_ids and token_ids in it.
+    continue_final_message: the answer continues the last message (chat).
     """
 
     kind: str
@@ -64,6 +77,10 @@ class Plan:
     include_usage: bool = False
     echo: bool = False
     renames: dict[str, str] = field(default_factory=dict)
+    continuous_usage: bool = False
+    return_prompt_logprobs: bool = False
+    return_token_ids: bool = False
+    continue_final_message: bool = False
 
     @property
     def num_choices(self) -> int:
@@ -105,7 +122,8 @@ def _check_model(body: dict, served: str) -> None:
         check_model_name(model, served)
 
 
-def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tuple[int, bool, bool]:
+def _common(body: dict, params: dict[str, Any], renames: dict[str, str]
+            ) -> tuple[int, bool, bool, bool]:
     for name in ("temperature", "top_p", "min_p"):
         v = _type(body, name, (int, float), "a number")
         if v is not None:
@@ -132,10 +150,25 @@ def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tupl
                                                 for i in ids):
             raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
         params["stop_token_ids"] = ids
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         v = _type(body, name, (int, float), "a number")
-        if v:
-            raise bad(name, f"{name} is not supported (only 0)", "unsupported_value")
+        if v is not None:
+            params[name] = float(v)
+    v = _type(body, "min_tokens", int, "an integer")
+    if v is not None:
+        params["min_tokens"] = v
+    bias = _type(body, "logit_bias", dict, "an object of token ids to numbers")
+    if bias is not None:
+        params["logit_bias"] = _logit_bias(bias)
+    v = _type(body, "prompt_logprobs", int, "an integer")
+    if v is not None:
+        if not 0 <= v <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                      f"got {v}")
+        if body.get("stream"):
+            raise bad("prompt_logprobs", "prompt_logprobs is not available with stream: true")
+        params["prompt_logprobs"] = v
+    _type(body, "return_token_ids", bool, "a boolean")
     _type(body, "user", str, "a string")
     n = _type(body, "n", int, "an integer")
     n = 1 if n is None else n
@@ -143,15 +176,35 @@ def _common(body: dict, params: dict[str, Any], renames: dict[str, str]) -> tupl
         raise bad("n", f"n must be in [1, {MAX_N}], got {n}")
     stream = bool(_type(body, "stream", bool, "a boolean"))
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_usage",
                                                             "continuous_usage_stats"}:
-            raise bad("stream_options", "stream_options may only hold include_usage")
+            raise bad("stream_options", "stream_options may only hold include_usage and "
+                      "continuous_usage_stats")
         if not stream:
             raise bad("stream_options", "stream_options is only allowed with stream: true")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if not isinstance(options.get(key, False), bool):
+                raise bad(f"stream_options.{key}", f"{key} must be a boolean", "invalid_type")
         include_usage = bool(options.get("include_usage"))
-    return n, stream, include_usage
+        continuous = bool(options.get("continuous_usage_stats"))
+    return n, stream, include_usage, continuous
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    """OpenAI's {"token id": bias} as {id: bias}; the engine checks ranges and the
+    vocabulary. Raises OpenAIError naming logit_bias for a key that is not an id or a
+    value that is not a number."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise bad("logit_bias", f"logit_bias keys must be token ids (strings of digits), "
+                      f"got {key[:32]!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a number", "invalid_type")
+        out[int(key)] = float(value)
+    return out
 
 
 def _content(content: Any, where: str) -> str:
@@ -177,7 +230,16 @@ def chat_plan(body: Any, served_model: str) -> Plan:
     _check_model(body, served_model)
     params: dict[str, Any] = {}
     renames: dict[str, str] = {}
-    n, stream, include_usage = _common(body, params, renames)
+    n, stream, include_usage, continuous = _common(body, params, renames)
+    echo = bool(_type(body, "echo", bool, "a boolean"))
+    cont = bool(_type(body, "continue_final_message", bool, "a boolean"))
+    gen = _type(body, "add_generation_prompt", bool, "a boolean")
+    if cont and gen:
+        raise bad("continue_final_message", "continue_final_message and "
+                  "add_generation_prompt cannot both be true")
+    if gen is False and not cont:
+        raise bad("add_generation_prompt", "add_generation_prompt: false is served only "
+                  "with continue_final_message: true", "unsupported_value")
     mct = _type(body, "max_completion_tokens", int, "an integer")
     if mct is not None:
         params["max_tokens"] = mct
@@ -224,8 +286,11 @@ def chat_plan(body: Any, served_model: str) -> Plan:
         if role not in _ROLES:
             raise bad(f"{where}.role", f"unknown role {role!r}")
         turns.append({"role": _ROLES[role], "content": _content(m.get("content"), where)})
-    return Plan("chat", [{"messages": turns}], params, n, stream, include_usage,
-                renames=renames)
+    return Plan("chat", [{"messages": turns}], params, n, stream, include_usage, echo,
+                renames=renames, continuous_usage=continuous,
+                return_prompt_logprobs="prompt_logprobs" in params,
+                return_token_ids=bool(body.get("return_token_ids")),
+                continue_final_message=cont)
 
 
 def _is_ids(x: Any) -> bool:
@@ -238,7 +303,8 @@ def completion_plan(body: Any, served_model: str) -> Plan:
     body = _check_fields(body, _COMPLETIONS)
     _check_model(body, served_model)
     params: dict[str, Any] = {}
-    n, stream, include_usage = _common(body, params, {})
+    n, stream, include_usage, continuous = _common(body, params, {})
+    asked_prompt_logprobs = "prompt_logprobs" in params
     best_of = _type(body, "best_of", int, "an integer")
     if best_of is not None and best_of != n:
         raise bad("best_of", "best_of is only served equal to n", "unsupported_value")
@@ -249,7 +315,7 @@ def completion_plan(body: Any, served_model: str) -> Plan:
             raise bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {num}")
         params["logprobs"] = num
         if echo:
-            params["prompt_logprobs"] = num
+            params["prompt_logprobs"] = max(num, params.get("prompt_logprobs", 0))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [{"prompt": prompt}]
@@ -266,4 +332,6 @@ def completion_plan(body: Any, served_model: str) -> Plan:
     if len(prompts) * n > 4 * MAX_N:
         raise bad("prompt", f"at most {4 * MAX_N} choices (prompts x n) per request")
     return Plan("completion", prompts, params, n, stream, include_usage, echo,
-                renames={"prompt_logprobs": "logprobs"})
+                renames={} if asked_prompt_logprobs else {"prompt_logprobs": "logprobs"},
+                continuous_usage=continuous, return_prompt_logprobs=asked_prompt_logprobs,
+                return_token_ids=bool(body.get("return_token_ids")))

@@ -1,12 +1,14 @@
 """The OpenAI HTTP routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
 GET /v1/models/{model} (the SDK's `models.retrieve`).
 
-Each request: access (401 / 403) -> body (413 over `max_message_bytes`, 400 not JSON)
+Each request: access (401 / 403) -> body (415 not `application/json`, 413 over
+`max_message_bytes`, 400 not JSON or nested too deep)
 -> Plan (400 naming the field, 404 another model) -> every choice admitted by the
 engine (its refusal: 400 / 429 / 503 with Retry-After) -> a JSON body, or SSE
 (`text/event-stream`: `data: {chunk}` lines, then `data: [DONE]`). A client that
 disconnects aborts its choices. `/metrics` counts each request by route and status
-(`conveyor:http_requests_total`).
+(`conveyor:http_requests_total`); every refusal is one log line (`http_request_refused`:
+route, status, code, param, request id).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -24,9 +25,10 @@ from starlette.routing import Route
 from service.config import ServerConfig
 from service.engine.client import EngineClient
 from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal
+from service.front.openai.body import log_refusal, read_json_body
 from service.front.openai.errors import OpenAIError
 from service.front.openai.request import Plan, chat_plan, check_model_name, completion_plan
-from service.front.openai.run import Run
+from service.front.openai.run import Run, new_run_id
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -104,37 +106,26 @@ class OpenAIRoutes:
         return response
 
     async def _body(self, request: Request) -> Any:
-        limit = self.config.max_message_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"the body ({declared} bytes) is over the limit of {limit}",
-                              code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise OpenAIError(413, f"the body is over the limit of {limit} bytes",
-                                  code="request_too_large")
-            chunks.append(chunk)
-        try:
-            return msgspec.json.decode(b"".join(chunks))
-        except msgspec.DecodeError as e:
-            raise OpenAIError(400, f"the body is not valid JSON: {e}", code="invalid_json") \
-                from None
+        """The request's JSON body. Raises OpenAIError: 415 without `Content-Type:
+        application/json`, 413 over `max_message_bytes`, 400 not JSON or nested deeper
+        than msgspec decodes (`read_json_body`)."""
+        return await read_json_body(request, self.config.max_message_bytes)
 
     async def _serve(self, request: Request, route: str,
                      make_plan: Callable[[Any, str], Plan], kind_id: str) -> Response:
         run: Run | None = None
+        run_id = new_run_id(kind_id)
         try:
             self._guard(request)
             plan = make_plan(await self._body(request), self.engine.model_name)
-            run = Run(self.engine, plan, kind_id)
+            run = Run(self.engine, plan, kind_id, run_id)
             self.runs.add(run)
             await run.start()
         except OpenAIError as e:
             if run is not None:
                 self.runs.discard(run)
             self._count(route, e.status)
+            log_refusal(route, e, run_id)
             return self._error(e)
         watcher = asyncio.get_running_loop().create_task(run.watch(request.receive))
         if plan.stream:
@@ -147,6 +138,7 @@ class OpenAIRoutes:
             body = await run.body()
         except OpenAIError as e:
             self._count(route, e.status)
+            log_refusal(route, e, run.id)
             return self._error(e)
         finally:
             watcher.cancel()

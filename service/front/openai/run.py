@@ -22,7 +22,8 @@ import structlog
 from protocol import Delta, Done, Error, ProtocolError
 from service.engine.client import EngineClient, EngineRequest
 from service.front.openai.errors import OpenAIError, from_protocol
-from service.front.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from service.front.openai.logprobs import (TokenTexts, chat_logprobs, completion_logprobs,
+                                           vllm_prompt_logprobs)
 from service.front.openai.request import Plan
 
 log = structlog.get_logger(__name__)
@@ -30,14 +31,20 @@ _encode = msgspec.json.Encoder().encode
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
 
+def new_run_id(kind_id: str) -> str:
+    """A response id, e.g. "chatcmpl-0da5..." (24 hex digits)."""
+    return f"{kind_id}-{uuid.uuid4().hex[:24]}"
+
+
 class Run:
     """The engine requests of one Plan. `await start()` admits every choice (all or none);
     then `body()` (not streamed) or `sse()` (streamed)."""
 
-    def __init__(self, engine: EngineClient, plan: Plan, kind_id: str) -> None:
+    def __init__(self, engine: EngineClient, plan: Plan, kind_id: str,
+                 run_id: str | None = None) -> None:
         self.engine = engine
         self.plan = plan
-        self.id = f"{kind_id}-{uuid.uuid4().hex[:24]}"
+        self.id = run_id or new_run_id(kind_id)
         self.created = int(time.time())
         self.model = engine.model_name
         self.keys: list[str] = []
@@ -52,6 +59,12 @@ class Run:
         self.scored: dict[int, tuple[list[int], list[Any]]] = {}
         self.offsets: dict[int, int] = {}
         self.token_texts = TokenTexts(engine.tokenizer) if self.logprobs else None
+        # vLLM's return_token_ids / prompt_logprobs, and continuous usage: per choice
+        self.prompt_tokens: dict[int, int] = {}
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.prompt_scores: dict[int, list[Any]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.num_tokens: dict[int, int] = {}
 
     # ---- admission and cancel ------------------------------------------------------------
     async def start(self) -> None:
@@ -66,9 +79,10 @@ class Run:
                     params["seed"] = (params["seed"] + i % plan.n + 2**63) % 2**64 - 2**63
                 key = f"{self.id}/{i}"
                 self.keys.append(key)
-                await self.engine.add_request(EngineRequest(
+                self.prompt_tokens[i] = await self.engine.add_request(EngineRequest(
                     **prompt, params=params, request_id=key, client_id=key,
-                    connection_id=self.id), self._sink(i))
+                    connection_id=self.id, continue_final_message=plan.continue_final_message,
+                    return_prompt_token_ids=plan.return_token_ids), self._sink(i))
         except ProtocolError as e:
             self.keys.pop()  # never queued
             self.abort()
@@ -113,7 +127,20 @@ class Run:
                 self.done[i] = event
             elif isinstance(event, Error) and self.error is None:
                 self.error = from_protocol(event, self.plan.renames)
+            elif isinstance(event, Delta):
+                self._keep(i, event)
             yield i, event
+
+    def _keep(self, i: int, event: Delta) -> None:
+        """What a delta brings that the answer may show besides its text: the prompt's
+        ids and scores, the completion's ids and their count (continuous usage)."""
+        if event.prompt_token_ids is not None and i not in self.prompt_ids:
+            self.prompt_ids[i] = event.prompt_token_ids
+        if event.prompt_logprobs is not None and self.plan.return_prompt_logprobs:
+            self.prompt_scores[i] = event.prompt_logprobs
+        self.num_tokens[i] = self.num_tokens.get(i, 0) + len(event.token_ids)
+        if self.plan.return_token_ids:
+            self.token_ids.setdefault(i, []).extend(event.token_ids)
 
     # ---- what is sent ---------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
@@ -126,8 +153,29 @@ class Run:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    def running_usage(self) -> dict[str, Any]:
+        """Usage so far (`stream_options.continuous_usage_stats`): every choice's prompt
+        once per prompt, the completion tokens streamed until now."""
+        plan = self.plan
+        prompt = sum(self.prompt_tokens.get(i, 0) for i in range(0, plan.num_choices, plan.n))
+        completion = sum(self.num_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def prompt_logprobs_of(self, i: int) -> list[Any] | None:
+        """vLLM's prompt_logprobs of choice i's prompt (None: not asked or none came)."""
+        scores = self.prompt_scores.get(i)
+        if scores is None:
+            return None
+        texts = self.token_texts or TokenTexts(self.engine.tokenizer)
+        return vllm_prompt_logprobs(self.prompt_ids.get(i, []), scores, texts,
+                                    self.plan.params.get("prompt_logprobs") or 0)
+
     def echo_text(self, i: int) -> str:
         prompt = self.plan.prompts[i // self.plan.n]
+        if "messages" in prompt:  # chat: the last message's content, when it is the answer's
+            last = prompt["messages"][-1]
+            return last["content"] if last["role"] == "assistant" else ""
         if "prompt" in prompt:
             return prompt["prompt"]
         return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
@@ -170,12 +218,31 @@ class Run:
             ids.extend(event.token_ids)
             lps.extend(event.logprobs)
 
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None,
+               extra: dict[str, Any] | None = None) -> bytes:
         c: dict[str, Any] = {"id": self.id, "object": self._object(True),
                              "created": self.created, "model": self.model, "choices": choices}
-        if self.plan.include_usage:
+        if extra:
+            c.update(extra)
+        if usage is None and self.plan.continuous_usage and choices:
+            usage = self.running_usage()
+        if self.plan.include_usage or self.plan.continuous_usage:
             c["usage"] = usage
         return b"data: " + _encode(c) + b"\n\n"
+
+    def _ids_chunk(self, i: int, choice: dict[str, Any], event: Delta) -> bytes:
+        """A content chunk of choice i; with return_token_ids its token_ids, and on the
+        choice's first delta its prompt_token_ids (the chat response's top level, a
+        completion choice's field; vLLM's placement)."""
+        extra = None
+        if self.plan.return_token_ids:
+            choice["token_ids"] = list(event.token_ids)
+            if event.prompt_token_ids is not None:
+                if self.plan.kind == "chat":
+                    extra = {"prompt_token_ids": event.prompt_token_ids}
+                else:
+                    choice["prompt_token_ids"] = event.prompt_token_ids
+        return self._chunk([choice], extra=extra)
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The SSE body: chunks, maybe a final error chunk, then `data: [DONE]`."""
@@ -186,6 +253,8 @@ class Run:
         if self.plan.kind == "chat":
             for i in range(n):
                 yield self._chunk([self._choice(i, "", None, first=True)])
+                if self.plan.echo and self.echo_text(i):
+                    yield self._chunk([self._choice(i, self.echo_text(i), None)])
         elif self.plan.echo and not echo_later:
             for i in range(n):
                 yield self._chunk([self._choice(i, self.echo_text(i), None)])
@@ -202,8 +271,11 @@ class Run:
                 if isinstance(event, Delta):
                     scores = self._logprobs(i, event.token_ids, event.logprobs) \
                         if event.logprobs else None
-                    if event.text or scores is not None:
-                        yield self._chunk([self._choice(i, event.text, None, logprobs=scores)])
+                    if event.text or scores is not None or (
+                            self.plan.return_token_ids and (event.token_ids or
+                                                            event.prompt_token_ids)):
+                        yield self._ids_chunk(i, self._choice(i, event.text, None,
+                                                              logprobs=scores), event)
                 elif isinstance(event, Done) and event.finish_reason != "error":
                     yield self._chunk([self._choice(i, None if self.plan.kind == "chat"
                                                     else "", FINISH[event.finish_reason])])
@@ -235,14 +307,27 @@ class Run:
             text = "".join(self.texts.get(i, ()))
             finish = FINISH[self.done[i].finish_reason]
             scores = self._logprobs(i, *self.scored.get(i, ([], [])))
+            if self.plan.echo:
+                text = self.echo_text(i) + text
             if self.plan.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": scores, "finish_reason": finish})
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": scores, "finish_reason": finish}
             else:
-                if self.plan.echo:
-                    text = self.echo_text(i) + text
-                choices.append({"index": i, "text": text, "logprobs": scores,
-                                "finish_reason": finish})
-        return {"id": self.id, "object": self._object(False), "created": self.created,
+                choice = {"index": i, "text": text, "logprobs": scores,
+                          "finish_reason": finish}
+                if self.plan.return_prompt_logprobs:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_of(i)
+                if self.plan.return_token_ids:
+                    choice["prompt_token_ids"] = self.prompt_ids.get(i)
+            if self.plan.return_token_ids:
+                choice["token_ids"] = self.token_ids.get(i, [])
+            choices.append(choice)
+        body = {"id": self.id, "object": self._object(False), "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
                 "system_fingerprint": None}
+        if self.plan.kind == "chat":  # one prompt: vLLM puts its fields at the top level
+            if self.plan.return_prompt_logprobs:
+                body["prompt_logprobs"] = self.prompt_logprobs_of(0)
+            if self.plan.return_token_ids:
+                body["prompt_token_ids"] = self.prompt_ids.get(0)
+        return body

@@ -21,6 +21,7 @@ from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Gen
                       decode_client_frame)
 from service.engine.client import EngineRequest
 from service.engine.stream import Event
+from service.front.refusals import log_refused
 from service.front.ws.actor import CLOSE_GOING_AWAY, CLOSE_POLICY_VIOLATION, SocketActor
 
 log = structlog.get_logger(__name__)
@@ -66,6 +67,10 @@ class Connection(SocketActor):
         for client_id in list(self.in_flight):
             self.engine.abort(self._key(client_id))
 
+    def _refused(self, e: ProtocolError) -> None:
+        log_refused("/v1/stream", e.code, e.request_id, status=e.http_status, param=e.param,
+                    message=e.message, connection_id=self.conn_id)
+
     def _on_frame(self, frame: str | bytes, received: float) -> None:
         try:
             msg = decode_client_frame(frame)
@@ -79,6 +84,7 @@ class Connection(SocketActor):
             elif isinstance(msg, Ping):
                 self.outbox.put(Pong(t=msg.t))
         except ProtocolError as e:
+            self._refused(e)
             self.outbox.put(e.to_frame())
         except Exception:
             log.exception("frame_failed", connection_id=self.conn_id)
@@ -118,6 +124,7 @@ class Connection(SocketActor):
                 arrival_time=received, connection_id=self.conn_id), sink)
         except ProtocolError as e:
             self.in_flight.discard(client_id)
+            self._refused(e)
             self.outbox.put(e.to_frame())
             return
         except asyncio.CancelledError:

@@ -33,6 +33,7 @@ from protocol import ChatMessage, ContextLengthExceeded, Done, InvalidRequest, P
 from protocol.responses_request import CreateRequest, ResponsesError, parse_client_frame
 from service.engine.client import EngineRequest
 from service.front.openai.errors import ERROR_TYPES
+from service.front.refusals import log_refused
 from service.front.ws.actor import SocketActor
 from service.front.ws.responses.context import build_prompt, context_after, prompt_tokenizer
 from service.front.ws.responses.run import ResponseRun, new_response_id
@@ -102,6 +103,8 @@ class ResponsesConnection(SocketActor):
             stream_id = req.stream_id
             self._create(req, received)
         except ResponsesError as e:
+            log_refused("/v1/responses", e.code, None, status=e.status, param=e.param,
+                        message=e.message, connection_id=self.conn_id)
             self.outbox.put(e.event(0, stream_id if stream_id is not None else e.stream_id))
         except Exception:
             log.exception("frame_failed", connection_id=self.conn_id)
@@ -161,7 +164,11 @@ class ResponsesConnection(SocketActor):
                 run.on_event)
         except ProtocolError as e:
             self.runs.pop(lane, None)
-            self.outbox.put(from_protocol_error(e, req).event(0, lane))
+            refusal = from_protocol_error(e, req)
+            log_refused("/v1/responses", refusal.code, run.id, status=refusal.status,
+                        param=refusal.param, message=refusal.message,
+                        connection_id=self.conn_id)
+            self.outbox.put(refusal.event(0, lane))
             return
         except asyncio.CancelledError:
             self.runs.pop(lane, None)
