@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, entry_name, entry_names
+from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, kv_dtype_code
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
@@ -35,11 +35,10 @@ __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "prefill
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in entry_names("conveyor_prefill_attention"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32,
-                       ctypes.c_float, i32]
-        fn.restype = i32
+    fn = lib.conveyor_prefill_attention
+    fn.argtypes = [i32, p, i64, p, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32,
+                   ctypes.c_float, i32]
+    fn.restype = i32
 
 
 LIBRARY = KernelLibrary(CppKernel("prefill_attention_cpu", SOURCE, CXX_FLAGS), _setup)
@@ -112,17 +111,18 @@ def prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if n == 0:
         return
-    fn = getattr(LIBRARY.load(), entry_name("conveyor_prefill_attention", k_cache.dtype))
-    rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
-            blocks.shape[0], n, int(ctx_len), out.data_ptr(), out.stride(0), num_blocks,
-            num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
-            torch.get_num_threads())
+    rc = LIBRARY.load().conveyor_prefill_attention(
+        kv_dtype_code(k_cache.dtype), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), blocks.data_ptr(), blocks.shape[0], n, int(ctx_len), out.data_ptr(),
+        out.stride(0), num_blocks, num_q_heads, num_kv_heads, head_dim, block_size,
+        float(scale), torch.get_num_threads())
     if rc != 0:
         raise ValueError(_KERNEL_ERRORS.get(rc, f"prefill attention kernel error {rc}"))
 
 
 _KERNEL_ERRORS = {
-    1: "prefill attention kernel: unsupported head layout or block size, or a non-positive size",
+    1: "prefill attention kernel: unsupported cache dtype, head layout or block size, or a "
+       "non-positive size",
     2: "ctx_len must be >= the chunk's rows, and blocks must cover ctx_len",
     4: "blocks holds a block id outside the cache among the blocks the context needs",
 }

@@ -1,5 +1,5 @@
 // Causal paged attention of one prefill chunk on the CPU, fp32 queries and output (flash-
-// attention style). The cache holds fp32 or fp16 (--kv-cache-dtype float16), widened to
+// attention style). The cache holds fp32, fp16 or bf16 (--kv-cache-dtype), widened to
 // fp32 as it is read (K once per call into its transposed copy, V row by row).
 //
 // A chunk is n query tokens of one sequence at positions ctx - n .. ctx - 1 (the chunk's own
@@ -43,8 +43,6 @@
 
 namespace {
 
-using conveyor::BF16;  // a bf16 K/V element (half.h)
-using conveyor::Half;  // an fp16 K/V element (half.h)
 using conveyor::load8;
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -277,7 +275,7 @@ void run_d(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_
   }
 }
 
-// The checks and the head-dim dispatch of both entry points below.
+// The checks and the head-dim dispatch of the entry point below, for caches of KV.
 template <class KV>
 int prefill_attention(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
                       const int64_t* table, int64_t table_len, int64_t n, int64_t ctx,
@@ -313,49 +311,25 @@ int prefill_attention(const float* q, int64_t q_row_stride, const KV* k_cache, c
 
 extern "C" {
 
-// Both return 0 on success, else (nothing written):
-//   1  a head dim not listed above, Hq not a multiple of Hkv, block_size outside
-//      [1, kMaxBlock], or a non-positive size;
+// kv_dtype: the caches' element type (half.h's KvDtype: 0 fp32, 1 fp16, 2 bf16; q and out are
+// fp32 either way); the caches are `const void*` of that type. Returns 0 on success, else
+// (nothing written):
+//   1  an unknown kv_dtype, a head dim not listed above, Hq not a multiple of Hkv, block_size
+//      outside [1, kMaxBlock], or a non-positive size;
 //   2  n > ctx, or a table shorter than ceil(ctx / block_size);
 //   4  a block id outside [0, num_blocks) among the blocks the context needs.
-
-// fp32 caches.
-int conveyor_prefill_attention_f32(const float* q, int64_t q_row_stride, const void* k_cache,
-                                   const void* v_cache, const int64_t* table,
-                                   int64_t table_len, int64_t n, int64_t ctx, float* out,
-                                   int64_t out_row_stride, int64_t num_blocks, int Hq, int Hkv,
-                                   int head_dim, int block_size, float scale,
-                                   int num_threads) {
-  return prefill_attention(q, q_row_stride, static_cast<const float*>(k_cache),
-                           static_cast<const float*>(v_cache), table, table_len, n, ctx, out,
-                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
-                           num_threads);
-}
-
-// fp16 caches (IEEE binary16), fp32 q and out.
-int conveyor_prefill_attention_f16kv(const float* q, int64_t q_row_stride, const void* k_cache,
-                                     const void* v_cache, const int64_t* table,
-                                     int64_t table_len, int64_t n, int64_t ctx, float* out,
-                                     int64_t out_row_stride, int64_t num_blocks, int Hq,
-                                     int Hkv, int head_dim, int block_size, float scale,
-                                     int num_threads) {
-  return prefill_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
-                           static_cast<const Half*>(v_cache), table, table_len, n, ctx, out,
-                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
-                           num_threads);
-}
-
-// bf16 caches, fp32 q and out.
-int conveyor_prefill_attention_bf16kv(const float* q, int64_t q_row_stride, const void* k_cache,
-                                      const void* v_cache, const int64_t* table,
-                                      int64_t table_len, int64_t n, int64_t ctx, float* out,
-                                      int64_t out_row_stride, int64_t num_blocks, int Hq,
-                                      int Hkv, int head_dim, int block_size, float scale,
-                                      int num_threads) {
-  return prefill_attention(q, q_row_stride, static_cast<const BF16*>(k_cache),
-                           static_cast<const BF16*>(v_cache), table, table_len, n, ctx, out,
-                           out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
-                           num_threads);
+int conveyor_prefill_attention(int kv_dtype, const float* q, int64_t q_row_stride,
+                               const void* k_cache, const void* v_cache, const int64_t* table,
+                               int64_t table_len, int64_t n, int64_t ctx, float* out,
+                               int64_t out_row_stride, int64_t num_blocks, int Hq, int Hkv,
+                               int head_dim, int block_size, float scale, int num_threads) {
+  return conveyor::with_kv_dtype(kv_dtype, 1, [&](auto tag) {
+    using KV = conveyor::kv_type<decltype(tag)>;
+    return prefill_attention(q, q_row_stride, static_cast<const KV*>(k_cache),
+                             static_cast<const KV*>(v_cache), table, table_len, n, ctx, out,
+                             out_row_stride, num_blocks, Hq, Hkv, head_dim, block_size, scale,
+                             num_threads);
+  });
 }
 
 }  // extern "C"
