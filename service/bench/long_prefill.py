@@ -75,6 +75,23 @@ def _runner(loaded, variant: str, num_blocks: int) -> ModelRunner:
     return runner
 
 
+def cpu_class() -> str:
+    """The CPU's model name, family and model from /proc/cpuinfo (e.g. "AMD EPYC, family 25
+    model 17"), or the platform's processor name where it cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    return (f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}")
+
+
 def _prefill_attention(runner: ModelRunner) -> str:
     """What serves the prefill chunks: "cpp-bf16", "cpp" or "sdpa" (the plan's layout)."""
     if runner.decode_kernel != "cpp":
@@ -140,7 +157,7 @@ def run(argv: Sequence[str]) -> dict[str, object]:
                       "prefill_attention": _prefill_attention(workloads[v].runner)}
     report = {
         "benchmark": "python -m service.bench.long_prefill " + " ".join(argv),
-        "machine": {"cpu": platform.processor() or platform.machine(),
+        "machine": {"cpu": cpu_class(),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "isa": machine_note(), "threads": torch.get_num_threads(),
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
