@@ -37,7 +37,7 @@ import torch
 
 from service.bench.engine_runs import Workload, text_tokens
 from service.config import CacheConfig, EngineConfig, ModelConfig
-from service.worker.loader import load_model
+from service.worker.loader import LoadedModel, load_model
 from service.worker.model_runner import ModelRunner
 from service.worker.quantization.paths import machine_note
 
@@ -123,13 +123,16 @@ def _prefill(wl: Workload, prompt_len: int) -> list[dict[str, float]]:
     return chunks
 
 
-def run(argv: Sequence[str]) -> dict[str, object]:
+def run(argv: Sequence[str], loaded: LoadedModel | None = None) -> dict[str, object]:
+    """The benchmark with `argv`'s arguments (`loaded`: a GGUF model already loaded in its
+    blocks, else --model is loaded). Returns the report; raises ValueError for bad
+    arguments."""
     a = build_parser().parse_args(list(argv))
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
         raise ValueError(f"--variants must be among {VARIANTS}, got {a.variants!r}")
     load_before = os.getloadavg()
-    loaded = load_model(a.model, torch.float32, blocks=True)
+    loaded = loaded or load_model(a.model, torch.float32, blocks=True)
     tokens = text_tokens(loaded, 2 * a.prompt_len)
     num_blocks = -(-a.prompt_len // 16) + 8
     workloads = {v: Workload(_runner(loaded, v, num_blocks), tokens, 1, token_budget=a.chunk)
