@@ -20,6 +20,8 @@ class AttentionLayout:
     all_rows: batch invariance: prefill rows too through the C++ kernel, each over its
         own causal prefix (torch backend, decode_kernel "cpp").
     kv_dtype: of the KV cache (``--kv-cache-dtype``); None: dtype.
+    prefill_bf16_dot: prefill chunks through the C++ kernel multiply in bf16 (AVX512-BF16;
+        ``kernels.prefill_attention_cpu``'s bf16_dot): torch backend, decode_kernel "cpp".
     """
 
     num_heads: int
@@ -30,6 +32,7 @@ class AttentionLayout:
     decode_kernel: str = "sdpa"
     all_rows: bool = False
     kv_dtype: torch.dtype | None = None
+    prefill_bf16_dot: bool = False
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -1,6 +1,6 @@
 """What the two CPU attention kernels (``decode_attention_cpu``, ``prefill_attention_cpu``)
-take: the cache element types, their C entry points, and the dtype / device checks both
-wrappers run before a call.
+take: the cache element types and the code each kernel's one C entry point takes for them,
+and the dtype / device checks both wrappers run before a call.
 
 q and out are fp32; the caches are fp32, or 16-bit under fp32 activations
 (``--kv-cache-dtype float16`` / ``bfloat16``): widened to fp32 as the kernels read them
@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KV_DTYPES", "check_dtypes", "entry_name", "entry_names"]
+__all__ = ["KV_DTYPES", "KV_DTYPE_CODES", "check_dtypes", "kv_dtype_code"]
 
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Cache dtypes the kernels read."""
-_SUFFIX = {torch.float32: "f32", torch.float16: "f16kv", torch.bfloat16: "bf16kv"}
+KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""The kernels' first argument for each cache dtype (``kernels/csrc/half.h``: ``KvDtype``;
+the fused forward's ``kv_kind`` uses the same codes)."""
 
 
-def entry_name(prefix: str, kv_dtype: torch.dtype) -> str:
-    """The C function of kernel `prefix` for caches of kv_dtype, e.g.
-    ``conveyor_decode_attention_bf16kv``. Raises ValueError for a dtype outside KV_DTYPES."""
-    if kv_dtype not in _SUFFIX:
-        raise ValueError(f"no {prefix} kernel for a {kv_dtype} cache; have {KV_DTYPES}")
-    return f"{prefix}_{_SUFFIX[kv_dtype]}"
-
-
-def entry_names(prefix: str) -> tuple[str, ...]:
-    """Every cache dtype's C function of kernel `prefix` (for ctypes set-up)."""
-    return tuple(entry_name(prefix, dtype) for dtype in KV_DTYPES)
+def kv_dtype_code(kv_dtype: torch.dtype) -> int:
+    """The C kernels' code for caches of kv_dtype (``KV_DTYPE_CODES``). Raises ValueError for
+    a dtype outside KV_DTYPES."""
+    if kv_dtype not in KV_DTYPE_CODES:
+        raise ValueError(f"no CPU attention kernel for a {kv_dtype} cache; have {KV_DTYPES}")
+    return KV_DTYPE_CODES[kv_dtype]
 
 
 def check_dtypes(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, entry_name, entry_names
+from kernels.cpu_attention_io import KV_DTYPES, check_dtypes, kv_dtype_code
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
@@ -37,11 +37,10 @@ __all__ = ["KV_DTYPES", "KernelBuildError", "LIBRARY", "build_problem", "decode_
 
 def _setup(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in entry_names("conveyor_decode_attention"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
-                       ctypes.c_float, i32]
-        fn.restype = i32
+    fn = lib.conveyor_decode_attention
+    fn.argtypes = [i32, p, i64, p, p, p, i64, i64, p, p, p, i64, i64, i32, i32, i32, i32, i32,
+                   ctypes.c_float, i32]
+    fn.restype = i32
 
 
 LIBRARY = KernelLibrary(CppKernel("decode_attention_cpu", SOURCE, CXX_FLAGS), _setup)
@@ -78,14 +77,14 @@ def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: 
             and num_q_heads // num_kv_heads <= MAX_GQA_GROUP)
 
 
-def entry_point(kv_dtype: torch.dtype) -> ctypes._CFuncPtr:
-    """The kernel's C function for caches of kv_dtype (one of KV_DTYPES; all share one
-    signature), from the loaded library.
+def entry_point() -> ctypes._CFuncPtr:
+    """The kernel's C function ``conveyor_decode_attention`` from the loaded library; its
+    first argument is the caches' dtype code (``kernels.cpu_attention_io.kv_dtype_code``).
 
     Raises:
-        ValueError: a dtype outside KV_DTYPES. KernelBuildError: the library does not build.
+        KernelBuildError: the library does not build or load.
     """
-    return getattr(load_kernel(), entry_name("conveyor_decode_attention", kv_dtype))
+    return load_kernel().conveyor_decode_attention
 
 
 def decode_attention_cpu(
@@ -155,12 +154,12 @@ def decode_attention_cpu(
                          "decodes ([n, max_blocks] with unit stride, [n], [n] contiguous)")
     if n == 0:
         return
-    fn = entry_point(k_cache.dtype)
-    rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
-            seq_lens.data_ptr(), rows.data_ptr(), out.data_ptr(), out.shape[0],
-            k_cache.shape[0], n, num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
-            torch.get_num_threads())
+    rc = entry_point()(kv_dtype_code(k_cache.dtype), q.data_ptr(), q.stride(0),
+                       k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                       block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+                       rows.data_ptr(), out.data_ptr(), out.shape[0], k_cache.shape[0], n,
+                       num_q_heads, num_kv_heads, head_dim, block_size, float(scale),
+                       torch.get_num_threads())
     if rc != 0:
         raise ValueError(kernel_error(rc))
 
@@ -171,7 +170,7 @@ def kernel_error(rc: int) -> str:
 
 
 _KERNEL_ERRORS = {
-    1: "decode attention kernel: unsupported head layout or a non-positive size",
+    1: "decode attention kernel: unsupported cache dtype or head layout, or a non-positive size",
     2: "seq_lens must be >= 1 and fit block_tables' width in blocks",
     3: "rows must be distinct rows of out",
     4: "block_tables holds a block id outside the cache among the blocks a context needs",

@@ -30,6 +30,7 @@ import torch
 
 from kernels import decode_attention_cpu as dac
 from kernels import quant_linear_cpu as qlc
+from kernels.cpu_attention_io import KV_DTYPE_CODES
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 from kernels.quant_pack import PackedWeight
 
@@ -56,8 +57,8 @@ class _Linear(ctypes.Structure):
                 ("super_group", _i64)]
 
 
-# ConveyorModel::kv_kind: the caches' element type
-_KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# ConveyorModel::kv_kind: the caches' element type, by the attention kernels' codes
+_KV_KINDS = KV_DTYPE_CODES
 
 
 class _Layer(ctypes.Structure):
@@ -225,7 +226,7 @@ class FusedForward:
         self._layers = (_Layer * len(layers))(*[
             _Layer(_linear(*L.qkv), _linear(*L.o), _linear(*L.gate_up), _linear(*L.down),
                    L.ln1.data_ptr(), L.ln2.data_ptr(), L.kv.data_ptr()) for L in layers])
-        attention = ctypes.cast(dac.entry_point(kv.dtype), _p).value
+        attention = ctypes.cast(dac.entry_point(), _p).value
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim,
                              intermediate, vocab, cos.shape[0], kv.shape[1], kv.shape[2],
                              eps, scale, _KV_KINDS[kv.dtype],

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_attention_cpu import decode_attention_cpu
-from kernels.prefill_attention_cpu import prefill_attention_cpu
+from kernels.prefill_attention_cpu import BF16_DOT_MIN_CONTEXT, prefill_attention_cpu
 from kernels.prefill_attention_cpu import supports as prefill_supports
 
 DEFAULT_GROUP_BYTES = 4 << 20
@@ -97,6 +97,8 @@ class CpuAttentionPlan:
         group (the output is the group's result, no copy).
     prefill_kernel: prefill chunks go through the C++ kernel of
         ``kernels.prefill_attention_cpu`` where it supports the layout (else SDPA).
+    prefill_bf16_dot: that kernel multiplies in bf16 (its ``bf16_dot``) for chunks whose
+        context reaches ``BF16_DOT_MIN_CONTEXT`` tokens (shorter ones keep fp32 products).
     """
 
     num_tokens: int
@@ -105,6 +107,7 @@ class CpuAttentionPlan:
     all_decode_in_order: bool
     kernel_decodes: KernelDecodes | None = None
     prefill_kernel: bool = False
+    prefill_bf16_dot: bool = False
 
     @property
     def kernel_rows_only(self) -> bool:
@@ -123,6 +126,7 @@ def plan_cpu_attention(
     group_bytes: int = DEFAULT_GROUP_BYTES,
     decode_kernel: str = "sdpa",
     all_rows: bool = False,
+    prefill_bf16_dot: bool = False,
 ) -> CpuAttentionPlan:
     """Plan one step's attention (host-side work, once per step for all layers).
 
@@ -145,6 +149,9 @@ def plan_cpu_attention(
             over its own causal prefix (no SDPA): a row's output then depends only on its
             query, its context's K/V and its position, never on how the prompt was chunked
             or what else is in the step (batch-invariant mode).
+        prefill_bf16_dot: with "cpp", the prefill chunks' kernel multiplies in bf16 where a
+            chunk's context reaches ``BF16_DOT_MIN_CONTEXT`` (``prefill_attention_cpu``'s
+            bf16_dot: only where ``bf16_dot_available()``).
 
     Returns:
         The plan; its tensors live on block_tables' device.
@@ -161,8 +168,8 @@ def plan_cpu_attention(
         )
     if decode_kernel not in ("sdpa", "cpp"):
         raise ValueError(f"decode_kernel must be 'sdpa' or 'cpp', got {decode_kernel!r}")
-    if all_rows and decode_kernel != "cpp":
-        raise ValueError("all_rows needs decode_kernel 'cpp'")
+    if (all_rows or prefill_bf16_dot) and decode_kernel != "cpp":
+        raise ValueError("all_rows and prefill_bf16_dot need decode_kernel 'cpp'")
     if block_size < 1 or kv_bytes_per_token < 1 or group_bytes < 1:
         raise ValueError(
             f"block_size ({block_size}), kv_bytes_per_token ({kv_bytes_per_token}) and "
@@ -208,7 +215,8 @@ def plan_cpu_attention(
                     torch.tensor(seqs, device=device)]).contiguous(),
                 seq_lens=torch.tensor([c for _, _, c in decodes], dtype=torch.int64,
                                       device=device))
-        return CpuAttentionPlan(row, (), tuple(prefills), False, kernel, prefill_kernel=True)
+        return CpuAttentionPlan(row, (), tuple(prefills), False, kernel, prefill_kernel=True,
+                                prefill_bf16_dot=prefill_bf16_dot)
     groups = _plan_decode_groups(decodes, tables, block_size, kv_bytes_per_token, group_bytes)
     in_order = (len(groups) == 1 and not prefills and len(decodes) == num_seqs
                 and isinstance(groups[0].rows, slice) and groups[0].rows.start == 0)
@@ -314,7 +322,8 @@ def cpu_paged_attention(
     for p in plan.prefills:
         if use_kernel:
             prefill_attention_cpu(q[p.rows], k_cache, v_cache, p.blocks, p.ctx_len, out[p.rows],
-                                  scale)
+                                  scale, bf16_dot=plan.prefill_bf16_dot
+                                  and p.ctx_len >= BF16_DOT_MIN_CONTEXT)
             continue
         k = k_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]
         v = v_rows.index_select(0, p.blocks).view(-1, num_kv_heads, head_dim)[:p.ctx_len]

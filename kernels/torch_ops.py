@@ -93,7 +93,8 @@ def plan_step_cpu(layout: AttentionLayout, query_lens: Sequence[int], seq_lens: 
     """``plan_cpu_attention`` for one step (block_tables [B, max_blocks] int64, host)."""
     return plan_cpu_attention(query_lens, seq_lens, block_tables.to(device), layout.block_size,
                               layout.kv_bytes_per_token, decode_kernel=layout.decode_kernel,
-                              all_rows=layout.all_rows)
+                              all_rows=layout.all_rows,
+                              prefill_bf16_dot=layout.prefill_bf16_dot)
 
 
 def attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,

@@ -49,8 +49,6 @@ inline v8 load8(const float* p) {
   return v;
 }
 
-using conveyor::BF16;  // a bf16 K/V element (half.h)
-using conveyor::Half;  // an fp16 K/V element (half.h)
 using conveyor::load8;
 
 inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
@@ -241,7 +239,7 @@ void run(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_ca
   }
 }
 
-// The checks and the head-dim dispatch of both entry points below.
+// The checks and the head-dim dispatch of the entry point below, for caches of KV.
 template <class KV>
 int decode_attention(const float* q, int64_t q_row_stride, const KV* k_cache, const KV* v_cache,
                      const int64_t* tables, int64_t table_stride, int64_t table_width,
@@ -285,55 +283,29 @@ int decode_attention(const float* q, int64_t q_row_stride, const KV* k_cache, co
 
 extern "C" {
 
-// Both return 0 on success, else (nothing written):
-//   1  a head dim not listed above, Hq not a multiple of Hkv, a GQA group wider than
-//      kMaxHeads query heads, or a non-positive size;
+// kv_dtype: the caches' element type (half.h's KvDtype: 0 fp32, 1 fp16, 2 bf16; q and out are
+// fp32 either way); the caches are `const void*` of that type. Returns 0 on success, else
+// (nothing written):
+//   1  an unknown kv_dtype, a head dim not listed above, Hq not a multiple of Hkv, a GQA
+//      group wider than kMaxHeads query heads, or a non-positive size;
 //   2  a seq_len < 1, or one needing more than table_width blocks;
 //   3  a row outside [0, num_rows), or the same row twice;
 //   4  a block id outside [0, num_blocks) among the blocks a context needs.
 // The checks read n + sum(ceil(seq_len / block_size)) integers: microseconds.
-// The caches are `const void*` so that both share one signature (the fused forward calls
-// either through one function pointer type).
-
-// fp32 caches.
-int conveyor_decode_attention_f32(const float* q, int64_t q_row_stride, const void* k_cache,
-                                  const void* v_cache, const int64_t* tables,
-                                  int64_t table_stride, int64_t table_width,
-                                  const int64_t* seq_lens, const int64_t* rows, float* out,
-                                  int64_t num_rows, int64_t num_blocks, int n, int Hq, int Hkv,
-                                  int head_dim, int block_size, float scale, int num_threads) {
-  return decode_attention(q, q_row_stride, static_cast<const float*>(k_cache),
-                          static_cast<const float*>(v_cache), tables, table_stride, table_width,
-                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
-                          block_size, scale, num_threads);
-}
-
-// fp16 caches (IEEE binary16), fp32 q and out.
-int conveyor_decode_attention_f16kv(const float* q, int64_t q_row_stride, const void* k_cache,
-                                    const void* v_cache, const int64_t* tables,
-                                    int64_t table_stride, int64_t table_width,
-                                    const int64_t* seq_lens, const int64_t* rows, float* out,
-                                    int64_t num_rows, int64_t num_blocks, int n, int Hq,
-                                    int Hkv, int head_dim, int block_size, float scale,
-                                    int num_threads) {
-  return decode_attention(q, q_row_stride, static_cast<const Half*>(k_cache),
-                          static_cast<const Half*>(v_cache), tables, table_stride, table_width,
-                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
-                          block_size, scale, num_threads);
-}
-
-// bf16 caches, fp32 q and out.
-int conveyor_decode_attention_bf16kv(const float* q, int64_t q_row_stride, const void* k_cache,
-                                     const void* v_cache, const int64_t* tables,
-                                     int64_t table_stride, int64_t table_width,
-                                     const int64_t* seq_lens, const int64_t* rows, float* out,
-                                     int64_t num_rows, int64_t num_blocks, int n, int Hq,
-                                     int Hkv, int head_dim, int block_size, float scale,
-                                     int num_threads) {
-  return decode_attention(q, q_row_stride, static_cast<const BF16*>(k_cache),
-                          static_cast<const BF16*>(v_cache), tables, table_stride, table_width,
-                          seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
-                          block_size, scale, num_threads);
+// The fused forward calls it through a function pointer of this signature.
+int conveyor_decode_attention(int kv_dtype, const float* q, int64_t q_row_stride,
+                              const void* k_cache, const void* v_cache, const int64_t* tables,
+                              int64_t table_stride, int64_t table_width,
+                              const int64_t* seq_lens, const int64_t* rows, float* out,
+                              int64_t num_rows, int64_t num_blocks, int n, int Hq, int Hkv,
+                              int head_dim, int block_size, float scale, int num_threads) {
+  return conveyor::with_kv_dtype(kv_dtype, 1, [&](auto tag) {
+    using KV = conveyor::kv_type<decltype(tag)>;
+    return decode_attention(q, q_row_stride, static_cast<const KV*>(k_cache),
+                            static_cast<const KV*>(v_cache), tables, table_stride, table_width,
+                            seq_lens, rows, out, num_rows, num_blocks, n, Hq, Hkv, head_dim,
+                            block_size, scale, num_threads);
+  });
 }
 
 }  // extern "C"

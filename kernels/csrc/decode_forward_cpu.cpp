@@ -15,8 +15,8 @@
 //
 // The linear layers and the attention are not compiled here: the caller passes function
 // pointers to the builds it chose (conveyor_qlinear_ex of kernels/csrc/quant_linear_cpu.cpp,
-// built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention_f32 or
-// _f16kv / _bf16kv of kernels/csrc/decode_attention_cpu.cpp, as the cache's dtype asks), so
+// built for AVX-512 or AVX2, any of its weight formats; conveyor_decode_attention of
+// kernels/csrc/decode_attention_cpu.cpp, given the caches' dtype as kv_kind), so
 // one step runs exactly the kernels the unfused path would run for those layers, and a new
 // weight format needs nothing here. A 16-bit cache (fp16 or bf16) gets each row's K/V rounded
 // to nearest even on store (half.h), the bits torch's `.to(dtype)` gives the unfused path.
@@ -41,12 +41,12 @@ typedef int (*qlinear_fn)(int fmt, const float* x, int64_t x_stride, int64_t M, 
                           const void* minv, int64_t group, const void* sup_scale,
                           const void* sup_min, int64_t super_group, const float* bias, float* y,
                           int64_t y_stride, int num_threads);
-typedef int (*attention_fn)(const float* q, int64_t q_row_stride, const void* k_cache,
-                            const void* v_cache, const int64_t* tables, int64_t table_stride,
-                            int64_t table_width, const int64_t* seq_lens, const int64_t* rows,
-                            float* out, int64_t num_rows, int64_t num_blocks, int n, int Hq,
-                            int Hkv, int head_dim, int block_size, float scale,
-                            int num_threads);
+typedef int (*attention_fn)(int kv_dtype, const float* q, int64_t q_row_stride,
+                            const void* k_cache, const void* v_cache, const int64_t* tables,
+                            int64_t table_stride, int64_t table_width, const int64_t* seq_lens,
+                            const int64_t* rows, float* out, int64_t num_rows,
+                            int64_t num_blocks, int n, int Hq, int Hkv, int head_dim,
+                            int block_size, float scale, int num_threads);
 
 // One linear layer y [M, N] = x [M, K] W^T (+ bias): conveyor_qlinear_ex's arguments
 // (sup_scale, sup_min, super_group: the K-quant formats' super-block scales; null, 0 else).
@@ -80,7 +80,7 @@ struct ConveyorModel {
   const float* cos;             // [max_position, D / 2]
   const float* sin;             // [max_position, D / 2]
   ConveyorLinear lm_head;
-  attention_fn attention;  // the decode attention entry point for the caches' dtype
+  attention_fn attention;  // conveyor_decode_attention (given kv_kind as its kv_dtype)
 };
 
 // One step of M rows. tables [M, table_stride] (table_width valid columns), seq_lens [M]:
@@ -251,9 +251,10 @@ int conveyor_decode_forward(const ConveyorModel* model, const ConveyorStep* step
         std::memcpy(v_dst, row + (Hq + Hkv) * D, sizeof(float) * kv_width);
       }
     });
-    rc = md.attention(qkv, qkv_n, k_cache, v_cache, st.tables, st.table_stride, st.table_width,
-                      st.seq_lens, rows.data(), attn, M, md.num_blocks, static_cast<int>(M),
-                      static_cast<int>(Hq), static_cast<int>(Hkv), static_cast<int>(D),
+    rc = md.attention(static_cast<int>(md.kv_kind), qkv, qkv_n, k_cache, v_cache, st.tables,
+                      st.table_stride, st.table_width, st.seq_lens, rows.data(), attn, M,
+                      md.num_blocks, static_cast<int>(M), static_cast<int>(Hq),
+                      static_cast<int>(Hkv), static_cast<int>(D),
                       static_cast<int>(md.block_size), md.scale, threads);
     if (rc != 0) return 10 + rc;
     if ((rc = linear(L.o, attn, Hq * D, M, h, threads)) != 0) return 20 + rc;

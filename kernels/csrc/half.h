@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -103,5 +104,32 @@ inline void store_bf16(BF16* dst, const float* src, int64_t n) {
 #endif
   for (; i < n; ++i) dst[i].bits = bf16_bits(src[i]);
 }
+
+// The caches' element type as the kernels' entry points take it (kernels/cpu_attention_io.py:
+// KV_DTYPE_CODES; the fused forward's ConveyorModel::kv_kind): 0 fp32, 1 fp16, 2 bf16.
+enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+
+// f(tag) with tag a null `const KV*` of the element type `kv_dtype` names (float, Half or
+// BF16), returning what f returns; `unknown` for a code outside KvDtype. One entry point per
+// kernel then serves every cache dtype through its templates:
+//   return with_kv_dtype(kv_dtype, 1, [&](auto tag) {
+//     using KV = kv_type<decltype(tag)>; ...; });
+template <class F>
+inline int with_kv_dtype(int kv_dtype, int unknown, F&& f) {
+  switch (kv_dtype) {
+    case kKvF32:
+      return f(static_cast<const float*>(nullptr));
+    case kKvF16:
+      return f(static_cast<const Half*>(nullptr));
+    case kKvBF16:
+      return f(static_cast<const BF16*>(nullptr));
+    default:
+      return unknown;
+  }
+}
+
+// The element type of with_kv_dtype's tag.
+template <class Tag>
+using kv_type = std::remove_const_t<std::remove_pointer_t<Tag>>;
 
 }  // namespace conveyor

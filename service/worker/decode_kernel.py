@@ -3,6 +3,9 @@
 `--cpu-decode-kernel auto|cpp|sdpa` (`ModelConfig.cpu_decode_kernel`); "cpp" is our two C++
 kernels, `kernels.decode_attention_cpu` for decode rows and `kernels.prefill_attention_cpu`
 for prefill chunks (where it covers the block size: else SDPA), built with g++ on first use.
+The default ("auto") is "cpp" wherever they build and cover the model (fp32 activations), so
+the default mode's prefill attention is the C++ kernel, with bf16 products where the CPU has
+them (`choose_prefill_bf16_dot`).
 """
 
 from __future__ import annotations
@@ -72,3 +75,23 @@ def choose_decode_kernel(setting: str, backend: str, device: torch.device, dtype
                 "decode attention: torch SDPA (the C++ kernel is not used: %s)", why)
         return "sdpa"
     return "sdpa" if setting == "sdpa" else "cpp"
+
+
+def choose_prefill_bf16_dot(decode_kernel: str, quantization: str | None,
+                            batch_invariant: bool) -> bool:
+    """Whether prefill chunks' attention multiplies in bf16 (``kernels.prefill_attention_cpu``
+    with bf16_dot: q, K, V and probabilities rounded to bf16, fp32 sums, about 2x the fp32
+    kernel at long contexts on a Zen 4) for chunks whose context reaches
+    ``BF16_DOT_MIN_CONTEXT`` tokens (shorter prompts keep the fp32 kernel's bits).
+
+    Only with the C++ kernels (decode_kernel "cpp"), where the CPU multiplies bf16 in hardware
+    (``bf16_dot_available``: AVX512-BF16, no ISA cap hiding it; never emulated), and in the
+    modes that already trade exactness for speed: never with quantization None
+    (``--quantization none``, the fp32 oracle) or under batch invariance (its rows all go
+    through the decode kernel).
+    """
+    if decode_kernel != "cpp" or quantization is None or batch_invariant:
+        return False
+    from kernels import prefill_attention_cpu as pac
+
+    return pac.bf16_dot_available()

@@ -23,7 +23,8 @@ from service.worker.loader import LoadedModel, default_model_path, load_model, m
 from service.worker.sliding_window import context_limit
 from service.worker.heap_trim import trim_heap
 from service.worker.memory_fit import MemoryNeed, check_fits, weights_need
-from service.worker.decode_kernel import check_decode_kernel_builds, choose_decode_kernel
+from service.worker.decode_kernel import (check_decode_kernel_builds, choose_decode_kernel,
+                                          choose_prefill_bf16_dot)
 from service.worker.fused_forward import build_fused_forward
 from service.worker.weight_pages import packed_weights_on_huge_pages
 from service.worker.gguf_parse import shared_gguf_parse
@@ -127,9 +128,13 @@ class ModelRunner:
         self.decode_kernel = choose_decode_kernel(decode_setting, backend, self.device,
                                                   self.dtype, heads, kv_heads, head_dim,
                                                   self.kv_dtype)
+        # prefill chunks' C++ attention in bf16 products where the CPU has them (not the oracle)
+        self.prefill_bf16_dot = choose_prefill_bf16_dot(self.decode_kernel, self.quantization,
+                                                         self.batch_invariant)
         self.ops = select_ops(backend, self.device, AttentionLayout(
             heads, kv_heads, head_dim, self.dtype, cc.block_size, self.decode_kernel,
-            all_rows=self.batch_invariant, kv_dtype=self.kv_dtype))
+            all_rows=self.batch_invariant, kv_dtype=self.kv_dtype,
+            prefill_bf16_dot=self.prefill_bf16_dot))
         self.model = LlamaModel(self.loaded, self.ops, self.device, self.dtype)
         self._timer: SectionTimer | None = None
         self._timer_scope = ExitStack()  # the model's instrumentation while a timer is set
@@ -432,6 +437,8 @@ class ModelRunner:
                 "quantization": self.quantization or "none",
                 "batch_invariant": str(self.batch_invariant).lower(),
                 "decode_kernel": self.decode_kernel,
+                "prefill_attention": ("cpp-bf16" if self.prefill_bf16_dot
+                                      else self.decode_kernel),
                 "fused_decode": self.fused_decode,
                 # the measured choice, one path per row bucket (1, 16, 64, 512) per class
                 "linear_kernels": (self.linear_plan.summary() if self.linear_plan is not None

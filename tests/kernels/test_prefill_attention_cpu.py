@@ -144,3 +144,122 @@ def test_checks() -> None:
     assert pac.supports(torch.float32, 6, 2, 64, 16, torch.float16)
     assert pac.supports(torch.float32, 6, 2, 64, 16, torch.bfloat16)
     assert not pac.supports(torch.float32, 6, 2, 64, 16, torch.float64)
+
+
+needs_bf16 = pytest.mark.skipif(not pac.bf16_dot_available(),
+                                reason="no AVX512-BF16 here (or an ISA cap hides it)")
+
+
+def test_bf16_run_check_agrees_with_the_build() -> None:
+    # the run check (CPU flags, under any ISA cap) and the build (-march=native with that cap's
+    # flags) say the same: a capped or older CPU never gets a build with the bf16 path
+    if pac.build_problem() is not None:
+        assert not pac.bf16_dot_available()
+        return
+    from kernels.cpu_build import cpu_flags
+
+    has = bool(pac.LIBRARY.load().conveyor_prefill_attention_bf16_dot())
+    assert has == ("avx512_bf16" in cpu_flags()) == pac.bf16_dot_available()
+
+
+@needs_bf16
+@pytest.mark.parametrize("block_size", [8, 12, 16, 32, 64])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (16, 2, 1), (80, 1, 4),
+                                                         (128, 2, 2)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bf16_dot_within_its_bound(make_paged_batch, block_size, head_dim, num_kv_heads, group,
+                                   kv_dtype) -> None:
+    seqs = [(37, 37), (70, 21), (64, 16), (9, 2), (150, 33)]
+    batch = make_paged_batch(seqs, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                             head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
+                             seed=25)
+    batch = dataclasses.replace(batch, kv=batch.kv.to(kv_dtype))
+    out = _direct_bf16(batch)
+    torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
+    assert not torch.equal(out, _direct(batch))  # the bf16 products ran
+    # Against attention over q, K, V rounded to bf16 (fp64), only the probabilities' rounding
+    # (2^-8 relative) and fp32 sums remain: within 2^-7 of the largest |v|.
+    rounded = dataclasses.replace(batch, q=batch.q.bfloat16().double(),
+                                  kv=batch.kv.bfloat16().double())
+    exact = paged_attention_ref(rounded.q, rounded.kv[0], rounded.kv[1], rounded.block_tables,
+                                rounded.seq_lens, rounded.cu_seqlens_q, batch.scale)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
+
+
+def _direct_bf16(batch, threads: int | None = None) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    cu = batch.cu_seqlens_q.tolist()
+    tables = batch.block_tables.to(torch.int64).clamp(min=0)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for b, (a, e) in enumerate(zip(cu, cu[1:])):
+            pac.prefill_attention_cpu(batch.q[a:e], batch.kv[0], batch.kv[1],
+                                      tables[b].contiguous(), int(batch.seq_lens[b]), out[a:e],
+                                      batch.scale, bf16_dot=True)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@needs_bf16
+def test_bf16_dot_constant_v_comes_back(make_paged_batch) -> None:
+    # the running sum adds the rounded probabilities: an output row is a convex combination of
+    # the V rows it sees, so a V that is one bf16 vector everywhere comes back (fp32 sums only)
+    batch = make_paged_batch([(300, 200), (40, 40)], block_size=16, num_kv_heads=2, group=3,
+                             head_dim=64, dtype=torch.float32, device=torch.device("cpu"), seed=26)
+    row = torch.randn(64).bfloat16().float()
+    kv = batch.kv.clone()
+    kv[1] = row
+    out = _direct_bf16(dataclasses.replace(batch, kv=kv))
+    torch.testing.assert_close(out, row.expand_as(out), atol=1e-6, rtol=1e-6)
+
+
+@needs_bf16
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16_dot_any_thread_count_same_bits(make_paged_batch, threads) -> None:
+    batch = make_paged_batch([(1300, 512)], block_size=16, num_kv_heads=3, group=3, head_dim=64,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=27)
+    out = _direct_bf16(batch, threads)
+    torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
+    assert torch.equal(out, _direct_bf16(batch, 1))
+
+
+@needs_bf16
+def test_bf16_dot_through_the_cpp_plan(make_paged_batch) -> None:
+    # decodes, short chunks and one chunk whose context reaches BF16_DOT_MIN_CONTEXT: only that
+    # one takes the bf16 products; the rest keep the fp32 kernels' bits
+    long_ctx = pac.BF16_DOT_MIN_CONTEXT + 37
+    seqs = [(12, 1), (7, 7), (21, 5), (long_ctx, 40), (1, 1), (30, 13), (40, 1)]
+    batch = make_paged_batch(seqs, block_size=16, num_kv_heads=2, group=3, head_dim=64,
+                             dtype=torch.float32, device=torch.device("cpu"), seed=28)
+    cu = batch.cu_seqlens_q.tolist()
+    args = ([b - a for a, b in zip(cu, cu[1:])], batch.seq_lens.tolist(), batch.block_tables, 16,
+            2 * 2 * 64 * 4)
+    plan = plan_cpu_attention(*args, decode_kernel="cpp", prefill_bf16_dot=True)
+    assert plan.prefill_bf16_dot
+    out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], plan, batch.scale)
+    torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
+    fp32 = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1],
+                               plan_cpu_attention(*args, decode_kernel="cpp"), batch.scale)
+    long_rows = slice(cu[3], cu[4])
+    short = torch.ones(out.shape[0], dtype=torch.bool)
+    short[long_rows] = False
+    assert torch.equal(out[short], fp32[short])  # decodes and short chunks: fp32 products
+    assert not torch.equal(out[long_rows], fp32[long_rows])
+    with pytest.raises(ValueError, match="need decode_kernel 'cpp'"):
+        plan_cpu_attention(*args, prefill_bf16_dot=True)
+
+
+def test_bf16_dot_refused_without_the_instructions(monkeypatch) -> None:
+    monkeypatch.setattr(pac, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not pac.bf16_dot_available()
+    q = torch.randn(4, 6, 64)
+    cache = torch.randn(4, 8, 2, 64)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        pac.prefill_attention_cpu(q, cache, cache, torch.tensor([0, 1]), 10, out, 0.125,
+                                  bf16_dot=True)
+    assert torch.equal(out, torch.full_like(q, 7.0))
