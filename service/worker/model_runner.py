@@ -406,9 +406,9 @@ class ModelRunner:
                      "kept" if after == before else "chose", after,
                      "n/a" if ratio is None else f"{ratio:.2f}")
 
-    def _gate_inputs(self) -> Score:
-        """The score of the quality gate of 16-bit compute (``quality_gate.run_gate``):
-        score(rows) -> the Predictions of the gate's text (``gate_token_ids``, capped by the
+    def _gate_inputs(self) -> tuple[Score, int]:
+        """(score, its text's tokens) for the quality gate of 16-bit compute
+        (``quality_gate.run_gate``): score(rows) -> the Predictions of the gate's text (``gate_token_ids``, capped by the
         KV cache and the context), fed in chunks of `rows` tokens through the empty cache's
         first blocks (zeroed after)."""
         ids = gate_token_ids(self.tokenizer, min(self.num_blocks * self.block_size,
@@ -431,7 +431,7 @@ class ModelRunner:
             return Predictions(torch.cat([p.top1 for p in parts]),
                                torch.cat([p.nll for p in parts]))
 
-        return score
+        return score, len(ids)
 
     @torch.inference_mode()
     def calibrate(self) -> list:

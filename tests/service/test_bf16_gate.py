@@ -99,7 +99,7 @@ def test_gate_keeps_bf16_where_it_passes_and_the_reference_is_exact() -> None:
     linears = _fake_model((2, 3))
     assert bf16_buckets(linears) == [2, 3]
     score, seen = _score_by_paths(linears, {512: 0.002, 64: 0.001})
-    results = run_gate(linears, score)
+    results = run_gate(linears, score, 1001)
     # the reference ran without bf16 anywhere (each bf16 bucket on the bucket below's path)
     assert seen[0] == (512, frozenset({X16}))
     assert [r.bucket for r in results] == [2, 3] and all(r.passes() for r in results)
@@ -111,7 +111,7 @@ def test_gate_keeps_bf16_where_it_passes_and_the_reference_is_exact() -> None:
 def test_gate_refuses_a_bucket_that_moves_the_argmax_and_serves_the_one_below() -> None:
     linears = _fake_model((2, 3))
     score, _ = _score_by_paths(linears, {512: 0.01, 64: 0.0})
-    results = run_gate(linears, score)
+    results = run_gate(linears, score, 1001)
     assert [r.passes() for r in results] == [True, False]
     assert results[1].top1 == pytest.approx(0.99)
     # the refused 512-row bucket is served by the 64-row bucket's path below it... which is
@@ -126,7 +126,20 @@ def test_exact_restores_the_chosen_paths() -> None:
     with exact(linears):
         assert linears[0](torch.zeros(512, 8)) == X16
     assert linears[0](torch.zeros(512, 8)) == "bf16"
-    assert run_gate(_fake_model(()), lambda rows: pytest.fail("no bf16: nothing to score")) == []
+    assert run_gate(_fake_model(()), lambda rows: pytest.fail("no bf16: nothing to score"),
+                    1001) == []
+
+
+def test_gate_refuses_buckets_its_text_cannot_reach_and_too_few_positions() -> None:
+    linears = _fake_model((2, 3))
+    score, seen = _score_by_paths(linears, {})
+    results = run_gate(linears, score, 150)  # 149 rows at most: no call of 181+ rows
+    assert [r.bucket for r in results] == [2] and results[0].passes()
+    assert linears[0].names == (X16, X16, "bf16", X16)  # 181+ refused, untested
+    assert [rows for rows, _ in seen] == [512, 64]
+    # a KV cache that holds too little text to tell 99.5% from 99%: refused
+    assert not GateResult(2, 399, 1.0, 5.0, 5.0).passes()
+    assert GateResult(2, 400, 1.0, 5.0, 5.0).passes()
 
 
 def test_summary_names_the_buckets_and_the_bf16_bytes() -> None:

@@ -118,7 +118,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
                       calibrate: Callable[[], list],
                       gguf: GGUFLinearWeights | None = None,
                       fused_rows: int = 0, *, bf16: bool = True, round_blocks: bool = False,
-                      gate: Callable[[], Score] | None = None
+                      gate: Callable[[], tuple[Score, int]] | None = None
                       ) -> LinearPlan:
     """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached per
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
@@ -137,8 +137,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     round_blocks: the decoder layers' GGUF blocks may also be served by bf16 over a copy
         dequantized once to bf16 (16 bits a weight: the caller checked that it fits in
         memory). Never the LM head's: it sees one row per sampling sequence.
-    gate: in the auto modes where bf16 was chosen for some bucket, () -> the score of the
-        quality gate (``quality_gate.run_gate``); None: no bf16 in the auto modes (nothing
+    gate: in the auto modes where bf16 was chosen for some bucket, () -> (the score of the
+        quality gate, its text's tokens) (``quality_gate.run_gate``); None: no bf16 in the auto modes (nothing
         can vouch for it).
 
     Raises:
@@ -184,7 +184,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
 
 
 def _gate_16bit(model: LlamaModel, plan: LinearPlan,
-                gate: Callable[[], Score] | None, bf16: bool,
+                gate: Callable[[], tuple[Score, int]] | None, bf16: bool,
                 round_blocks: bool, blocks_only: bool) -> LinearPlan:
     """Run the quality gate where the plan put bf16 on some bucket (``run_gate``), set the
     plan's choices to what the model's layers then run, and log the start-up line on
@@ -194,7 +194,7 @@ def _gate_16bit(model: LlamaModel, plan: LinearPlan,
     results: list[GateResult] = []
     if gate is not None and any(PATHS[n].rounds_weights for names in plan.choices.values()
                                 for n in names):
-        results = run_gate([lin for _, lin in linears], gate())
+        results = run_gate([lin for _, lin in linears], *gate())
     served: dict[str, tuple[str, ...]] = {}
     for cls, lin in linears:  # the first layer of each class, as the plan's choices
         if cls not in served:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from service.worker.quantization.paths import PATHS
-from service.worker.quantization.plan import BUCKETS, DispatchLinear, bucket_rows
+from service.worker.quantization.plan import BUCKETS, DispatchLinear, bucket_index, bucket_rows
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,15 @@ class QualityGate:
     max_perplexity_change: |ppl - ppl_ref| / ppl_ref at most this (>= 0).
     min_greedy_identical / greedy_prompts: of the accuracy report's prompts, how many must
         give identical greedy output over 64 tokens (checked by the report, not here).
+    min_positions: fewer scored positions cannot tell 99.5% from 99% (a KV cache too small
+        for the gate's text): then every bucket is refused.
     """
 
     min_top1: float = 0.995
     max_perplexity_change: float = 0.005
     min_greedy_identical: int = 18
     greedy_prompts: int = 20
+    min_positions: int = 400
 
     def __post_init__(self) -> None:
         if not 0.0 < self.min_top1 <= 1.0:
@@ -110,7 +113,7 @@ class GateResult:
         return (self.perplexity - self.perplexity_ref) / self.perplexity_ref
 
     def passes(self, gate: QualityGate = QualityGate()) -> bool:
-        return (self.top1 >= gate.min_top1
+        return (self.positions >= gate.min_positions and self.top1 >= gate.min_top1
                 and abs(self.perplexity_change) <= gate.max_perplexity_change)
 
     def describe(self) -> str:
@@ -187,10 +190,11 @@ def drop_bucket(linears: Sequence[object], bucket: int) -> None:
                               for i, n in enumerate(lin.names))
 
 
-def run_gate(linears: Sequence[object], score: Score,
+def run_gate(linears: Sequence[object], score: Score, tokens: int,
              gate: QualityGate = QualityGate()) -> list[GateResult]:
-    """Score the text with the reference plan once, then with each bucket that chose bf16
-    (chunks of BUCKETS[b] rows, at most the text); a bucket that fails `gate` is dropped
+    """Score the text (`tokens` long) with the reference plan once, then with each bucket
+    that chose bf16 (chunks of BUCKETS[b] rows); a bucket that fails `gate`, or whose calls
+    the text cannot make (shorter than the bucket's smallest row count), is dropped
     (``drop_bucket``). Returns each tested bucket's result, ascending."""
     buckets = bf16_buckets(linears)
     if not buckets:
@@ -199,6 +203,12 @@ def run_gate(linears: Sequence[object], score: Score,
         ref = score(max(BUCKETS))
     results = []
     for b in buckets:
+        if bucket_index(min(BUCKETS[b], tokens - 1)) != b:
+            log.warning("16-bit compute refused for rows %s: the quality gate's text (%d "
+                        "tokens, capped by the KV cache) cannot make such calls",
+                        bucket_rows(b), tokens)
+            drop_bucket(linears, b)
+            continue
         r = compare(b, ref, score(BUCKETS[b]))
         results.append(r)
         if not r.passes(gate):
