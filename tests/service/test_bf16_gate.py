@@ -174,17 +174,21 @@ def test_block_layers_take_bf16_only_where_round_blocks_allows(monkeypatch) -> N
         got = choice.class_paths(offered, lw, False, native_only, round_blocks=True)
         assert PATHS["bf16"] in got
         assert all(p.native or p.rounds_weights for p in got) if native_only else True
-    # the choice: bf16 timed from 16 rows and chosen where the fake timer has it fastest
-    # (512 rows), for the class round_blocks names only
+    # the choice: bf16 timed for a layer with blocks only at 512 rows (BF16_BLOCKS_MIN_ROWS)
+    # and chosen there where the fake timer has it fastest, for the class round_blocks names
     layers = {"qkv": (w, None), "o": (w, None)}
     usable = [p for p in offered if p.problem() is None
               and p.name in ("fp32", "cpp-f32-avx2", "cpp-q4_1-avx2", X16, "bf16")]
 
+    timed = []
+
     def timer(cls, rows, makers):
-        return {n: 0.5 if n == "bf16" and rows == 512 else 1.0 for n in makers}
+        timed.extend((cls, rows) for n in makers if n == "bf16")
+        return {n: 0.5 if n == "bf16" else 1.0 for n in makers}
 
     plan = choice.choose_plan(layers, usable, "auto", False, timer=timer, use_cache=False,
                               natives={"qkv": blocks, "o": blocks}, native_only=True,
                               round_blocks=frozenset({"qkv"}))
     assert plan.choices["qkv"][3] == "bf16" and "bf16" not in plan.choices["qkv"][:3]
     assert "bf16" not in plan.choices["o"]
+    assert timed == [("qkv", 512)]

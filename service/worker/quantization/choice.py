@@ -47,7 +47,8 @@ import torch
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
 from service.worker.quantization.isa import CAP_VARS
-from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+from service.worker.quantization.paths import (BF16_BLOCKS_MIN_ROWS, ERROR_BOUNDS,
+                                               LayerWeights, LinearPath)
 
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
@@ -382,7 +383,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
                                  f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|"
                                  f"{rows}")
                         for p in correct[cls] if err[p.name] <= bounds[p.name]
-                        and rows >= p.min_rows}
+                        and rows >= (BF16_BLOCKS_MIN_ROWS if p.rounds_weights
+                                     and lw.native is not None else p.min_rows)}
                 missing = [p for p in correct[cls] if p.name in keys
                            and keys[p.name] not in timings]
                 if missing:

@@ -105,6 +105,13 @@ BF16_MIN_ROWS = 16
 the product is compute-bound and AMX pays; decode-sized calls stream weights, where 4-bit
 weights read 4x fewer bytes."""
 
+BF16_BLOCKS_MIN_ROWS = 181
+"""bf16 serves a GGUF file's blocks only in calls of this many rows and more (the 512-row
+bucket: prefill chunks). On the default SmolLM2-135M (Zen 4, 2026-12-06) bf16 on both the
+32-180- and the 181+-row buckets passed the start-up gate but took the accuracy report's
+teacher-forced top-1 to 99.1% (issue 47's gate: 99.5%; its sequences of about 100 tokens are
+scored in 32-180-row calls), where bf16 on 181+ rows alone kept 99.9%."""
+
 
 class CppLinear:
     """Our C++ kernel over a packed weight (``kernels.quant_linear_cpu.quant_linear``)."""

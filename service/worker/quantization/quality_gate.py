@@ -117,10 +117,10 @@ class GateResult:
                 and abs(self.perplexity_change) <= gate.max_perplexity_change)
 
     def describe(self) -> str:
-        """E.g. "rows 181+: top-1 99.8% of 1023, perplexity 12.41 vs 12.40 (+0.08%)"."""
+        """E.g. "rows 181+: top-1 99.8% of 1023, perplexity 12.41 vs 12.4 (+0.08%)"."""
         return (f"rows {bucket_rows(self.bucket)}: top-1 {100 * self.top1:.1f}% of "
-                f"{self.positions}, perplexity {self.perplexity:.3f} vs "
-                f"{self.perplexity_ref:.3f} ({100 * self.perplexity_change:+.2f}%)")
+                f"{self.positions}, perplexity {self.perplexity:.5g} vs "
+                f"{self.perplexity_ref:.5g} ({100 * self.perplexity_change:+.2f}%)")
 
 
 def perplexity(p: Predictions) -> float:
