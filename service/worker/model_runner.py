@@ -105,9 +105,14 @@ class ModelRunner:
                 mc.model, self.dtype, blocks=self.quantization in ("auto", "auto-a8")
                 and self.device.type == "cpu",
                 before_weights=lambda *a: self._check_fits(config, *a))
-            if not self._fit_checked and self.loaded.blocks_only:  # a caller's LoadedModel
-                self._check_fits(config, self.loaded.hf_config, self.loaded.gguf_linear,
-                                 self.loaded.embedding.nbytes)  # type: ignore[union-attr]
+            if not self._fit_checked and self.loaded.blocks_only:
+                # a caller's LoadedModel (never refused here, as before): only whether the
+                # bf16 copy of its blocks fits
+                try:
+                    self._check_fits(config, self.loaded.hf_config, self.loaded.gguf_linear,
+                                     self.loaded.embedding.nbytes)  # type: ignore[union-attr]
+                except ModelDoesNotFit as e:
+                    log.warning("%s", e)
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
                 if self.quantization in ("auto", "auto-a8") else None
@@ -207,8 +212,8 @@ class ModelRunner:
         cache and swap space); a warning says so where it does not fit."""
         if blocks is None or not self._bf16_compute or bf16_hardware() is None:
             return False
-        copy = 2 * sum(b.out_features * b.in_features  # type: ignore[attr-defined]
-                       for (i, _), b in blocks.layers.items() if i is not None)  # type: ignore[attr-defined]
+        layers = blocks.layers.items()  # type: ignore[attr-defined]
+        copy = 2 * sum(b.out_features * b.in_features for (i, _), b in layers if i is not None)
         try:
             check_fits(MemoryNeed(need.weights + copy, need.kv_cache, need.swap_space,
                                   need.transient), name)
@@ -408,9 +413,9 @@ class ModelRunner:
 
     def _gate_inputs(self) -> tuple[Score, int]:
         """(score, its text's tokens) for the quality gate of 16-bit compute
-        (``quality_gate.run_gate``): score(rows) -> the Predictions of the gate's text (``gate_token_ids``, capped by the
-        KV cache and the context), fed in chunks of `rows` tokens through the empty cache's
-        first blocks (zeroed after)."""
+        (``quality_gate.run_gate``): score(rows) -> the Predictions of the gate's text
+        (``gate_token_ids``, capped by the KV cache and the context), fed in chunks of `rows`
+        tokens through the empty cache's first blocks (zeroed after)."""
         ids = gate_token_ids(self.tokenizer, min(self.num_blocks * self.block_size,
                                                  self.max_model_len))
         blocks = list(range(self.blocks_needed(len(ids))))

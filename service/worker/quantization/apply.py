@@ -137,9 +137,9 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     round_blocks: the decoder layers' GGUF blocks may also be served by bf16 over a copy
         dequantized once to bf16 (16 bits a weight: the caller checked that it fits in
         memory). Never the LM head's: it sees one row per sampling sequence.
-    gate: in the auto modes where bf16 was chosen for some bucket, () -> (the score of the
-        quality gate, its text's tokens) (``quality_gate.run_gate``); None: no bf16 in the auto modes (nothing
-        can vouch for it).
+    gate: in the auto modes where bf16 was chosen for some bucket, () -> (the quality
+        gate's score, its text's tokens) (``quality_gate.run_gate``); None: no bf16 in the
+        auto modes (nothing can vouch for it).
 
     Raises:
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
