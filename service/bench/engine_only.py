@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="LIST",
                    help="comma-separated KV cache dtypes among auto, float32, float16, "
                         "bfloat16 (e.g. auto,float16: what a 16-bit cache buys)")
+    p.add_argument("--cpu-bf16-compute", default="auto", metavar="LIST",
+                   help="comma-separated settings among auto, off (e.g. off,auto: the exact "
+                        "paths against 16-bit compute for many-row calls, side by side)")
     p.add_argument("--threads", default=None, metavar="LIST",
                    help="comma-separated torch thread counts to compare, and `auto` for the "
                         "adaptive thread tuner (default: the CPUs, affinity and quota)")
@@ -102,7 +105,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
-                                          list[tuple[str | None, str, bool, str, str]],
+                                          list[tuple[str | None, str, bool, str, str, str]],
                                           list[int | str], list[Scenario]]:
     a = build_parser().parse_args(list(argv))
     quants: list[str | None] = []
@@ -130,8 +133,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
             or len(set(kv_dtypes)) < len(kv_dtypes)):
         raise ValueError(f"--kv-cache-dtype values must be distinct among "
                          f"{', '.join(KV_CACHE_DTYPES)}, got {a.kv_cache_dtype!r}")
-    models = [(q, k, b == "on", f, d) for q in quants for k in kernels for b in invariant
-              for f in fused for d in kv_dtypes]
+    bf16 = [b.strip() for b in a.cpu_bf16_compute.split(",")]
+    if any(b not in ("auto", "off") for b in bf16) or len(set(bf16)) < len(bf16):
+        raise ValueError(f"--cpu-bf16-compute values must be distinct among auto, off, got "
+                         f"{a.cpu_bf16_compute!r}")
+    models = [(q, k, b == "on", f, d, h) for q in quants for k in kernels for b in invariant
+              for f in fused for d in kv_dtypes for h in bf16]
     threads: list[int | str] = [default_num_threads()]
     if a.threads:
         auto = [t.strip() for t in a.threads.split(",")].count("auto")
@@ -197,23 +204,24 @@ def run(argv: Sequence[str], loaded: LoadedModel | None = None,
     blocks = 8 + max(-(-(sc.context + decode_steps + (sc.num_seqs * sc.context) // 256)
                        // a.block_size) * sc.num_seqs for sc in scenarios)
     tokens = text_tokens(loaded, 4 * max(sc.context for sc in scenarios))
-    runners: dict[tuple[str | None, str, bool, str, str], ModelRunner] = {}
-    for q, k, bi, f, d in models:
+    runners: dict[tuple[str | None, str, bool, str, str, str], ModelRunner] = {}
+    for q, k, bi, f, d, h in models:
         cfg = EngineConfig(model=ModelConfig(model=a.model, quantization=q, cpu_decode_kernel=k,
                                              batch_invariant=bi, adaptive_threads=False,
-                                             cpu_fused_decode=f),
+                                             cpu_fused_decode=f, cpu_bf16_compute=h),
                            cache=CacheConfig(block_size=a.block_size, num_kv_blocks=blocks,
                                              swap_space=0, kv_cache_dtype=d))
-        runners[(q, k, bi, f, d)] = ModelRunner(cfg, loaded_for(q))
+        runners[(q, k, bi, f, d, h)] = ModelRunner(cfg, loaded_for(q))
     if freeze_heap:
         freeze_startup_heap("engine-only bench")
 
-    def label(m: tuple[str | None, str, bool, str, str], t: int | str) -> str:
+    def label(m: tuple[str | None, str, bool, str, str, str], t: int | str) -> str:
         # e.g. "int8/cpp/2t", "fp32/cpp/inv/auto", "int4/cpp/unfused/2t", "auto/cpp/kv16/2t";
         # the kernel is the one "auto" resolved to; "unfused": --cpu-fused-decode off (where
         # the default fused decode steps is in the report's "fused_decode"); kv16 / kvbf16:
-        # a float16 / bfloat16 KV cache
+        # a float16 / bfloat16 KV cache; "exact": --cpu-bf16-compute off
         kv = {"float16": "/kv16", "bfloat16": "/kvbf16", "float32": "/kv32"}.get(m[4], "")
+        kv += "/exact" if m[5] == "off" else ""
         return (f"{m[0] or 'fp32'}/{runners[m].decode_kernel}{'/inv' if m[2] else ''}"
                 f"{'/unfused' if m[3] == 'off' else ''}{kv}/{t}{'t' if t != 'auto' else ''}")
 

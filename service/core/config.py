@@ -74,6 +74,13 @@ class ModelConfig:
         (`kernels.decode_forward_cpu`) where every linear layer's chosen path at that row
         count is one of our C++ kernels: "auto" (where it applies), "on" (start-up fails
         where it cannot apply at all) or "off" (one torch or ctypes call per op).
+    cpu_bf16_compute: in the auto modes on a CPU that computes bf16 in hardware (AMX or
+        AVX512-BF16), "auto" lets the kernel choice serve a row bucket of a layer with bf16
+        F.linear where it measures faster (prefill chunks, big batches), over a bf16 copy
+        of the weights (a GGUF file's decoder-layer blocks dequantized once to bf16, held
+        beside the blocks where it fits in memory), and only where the quality gate passes
+        (``service.worker.quantization.quality_gate``); "off": never (every bucket on the
+        exact paths: fp32 products, or int16 activations on the blocks).
     num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
         which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
         the cgroup CPU quota (`service.worker.cpu_threads.default_num_threads`).
@@ -122,6 +129,12 @@ class ModelConfig:
         "auto", "CPU: run decode steps (every step with --batch-invariant) as one native "
         "call where our C++ linear kernels serve every layer; auto = where it applies, on = "
         "fail at start-up if it cannot, off = one call per op", choices=("auto", "on", "off"))
+    cpu_bf16_compute: str = option(
+        "auto", "CPU, --quantization auto: bf16 F.linear for the row buckets (prefill chunks, "
+        "big batches) where it measures faster, over a bf16 copy of the weights (a GGUF "
+        "file's blocks dequantized once, where it fits in memory), where the CPU computes "
+        "bf16 in hardware (AMX, AVX512-BF16) and the start-up quality gate passes; off = "
+        "exact paths only", choices=("auto", "off"))
     num_threads: int | None = option(
         None, "CPU threads for the forward (torch and the C++ kernels); default: the CPUs "
         "this process may use, capped by its cgroup CPU quota", metavar="N")
@@ -152,6 +165,8 @@ class ModelConfig:
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
         _check(self.cpu_fused_decode in ("auto", "on", "off"), "cpu_fused_decode",
                "one of auto, on, off", self.cpu_fused_decode)
+        _check(self.cpu_bf16_compute in ("auto", "off"), "cpu_bf16_compute", "one of auto, off",
+               self.cpu_bf16_compute)
         _check(self.num_threads is None or (isinstance(self.num_threads, int)
                                             and not isinstance(self.num_threads, bool)
                                             and self.num_threads >= 1),

@@ -22,7 +22,8 @@ from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, default_model_path, load_model, model_name
 from service.worker.sliding_window import context_limit
 from service.worker.heap_trim import trim_heap
-from service.worker.memory_fit import MemoryNeed, check_fits, weights_need
+from service.worker.memory_fit import (GiB, MemoryNeed, ModelDoesNotFit, check_fits,
+                                       weights_need)
 from service.worker.decode_kernel import (check_decode_kernel_builds, choose_decode_kernel,
                                           choose_prefill_bf16_dot)
 from service.worker.fused_forward import build_fused_forward
@@ -33,6 +34,9 @@ from service.worker.model import LlamaModel
 from service.worker.quantization import calibration_token_ids
 from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.apply import apply_linear_plan
+from service.worker.quantization.gate_text import gate_token_ids
+from service.worker.quantization.quality_gate import Predictions, Score, predictions
+from service.worker.quantization.paths import bf16_hardware
 from service.worker.quantization.census import layer_formats
 from service.worker.quantization.plan import LinearPlan
 from service.worker.logits_processors import (RowHistory, apply_logits_processors,
@@ -54,18 +58,28 @@ about 128 tokens of SmolLM2-135M (106 M a token). 128 tokens at the 8B shape too
 2 cores: the thread probe's 16 steps at about 7 GMAC a token, half of them on one thread."""
 
 
+WARM_CHUNK_MACS = 8 * WARMUP_MACS
+"""The most the start-up's two prefill-chunk warm-ups may cost (multiply-adds) where only
+our C++ kernels serve: SmolLM2-135M's 2 x 512 tokens fit (109 G), Llama-3.2-1B's do not."""
+
+
 def warmup_tokens(hf_config: object) -> int:
     """Tokens of the start-up prefill steps (``ModelRunner.measure_rates``): as many as
     WARMUP_MACS buys, at most 128, at least 1, a multiple of 16 from 16 on. E.g. SmolLM2-135M
     128, Llama-3.2-1B 16, Llama-3.2-3B 5, Llama-3.1-8B 2. (Their prefill rate then reads low
     for a big model, which only makes preemption lean to swapping: a CPU swap is a copy.)"""
+    tokens = WARMUP_MACS // decoder_macs_per_token(hf_config)
+    return max(1, min(128, tokens // 16 * 16 if tokens >= 16 else tokens))
+
+
+def decoder_macs_per_token(hf_config: object) -> int:
+    """Multiply-adds of the decoder layers' linear layers for one token (>= 1)."""
     c = hf_config
     heads, kv = c.num_attention_heads, c.num_key_value_heads  # type: ignore[attr-defined]
     hidden = c.hidden_size  # type: ignore[attr-defined]
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     per_layer = hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * c.intermediate_size  # type: ignore[attr-defined]
-    tokens = WARMUP_MACS // max(per_layer * c.num_hidden_layers, 1)  # type: ignore[attr-defined]
-    return max(1, min(128, tokens // 16 * 16 if tokens >= 16 else tokens))
+    return max(1, per_layer * c.num_hidden_layers)  # type: ignore[attr-defined]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +107,12 @@ class ModelRunner:
         # The K/V cache's element type: the model's, or 16 bits under any (--kv-cache-dtype)
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else DTYPES[cc.kv_cache_dtype]
         threads = mc.num_threads or default_num_threads()
+        # Whether a GGUF file's decoder-layer blocks may get a bf16 copy for 16-bit compute
+        # (its memory checked with the rest, in _check_fits)
+        self._bf16_blocks_fit = False
+        self._fit_checked = False
+        self._bf16_compute = mc.cpu_bf16_compute == "auto"
+        self._max_batched_tokens = config.scheduler.max_num_batched_tokens
         if self.device.type == "cpu":
             # One intra-op thread per CPU this process may use (affinity and cgroup
             # quota). Call from the thread that runs the steps: OpenMP's thread count is
@@ -118,6 +138,14 @@ class ModelRunner:
                 mc.model, self.dtype, blocks=self.quantization in ("auto", "auto-a8")
                 and self.device.type == "cpu",
                 before_weights=lambda *a: self._check_fits(config, *a))
+            if not self._fit_checked and self.loaded.blocks_only:
+                # a caller's LoadedModel (never refused here, as before): only whether the
+                # bf16 copy of its blocks fits
+                try:
+                    self._check_fits(config, self.loaded.hf_config, self.loaded.gguf_linear,
+                                     self.loaded.embedding.nbytes)  # type: ignore[union-attr]
+                except ModelDoesNotFit as e:
+                    log.warning("%s", e)
             # a caller's LoadedModel may serve more runners: keep its blocks on it
             gguf = linear_weights_of(self.loaded, keep=loaded is not None) \
                 if self.quantization in ("auto", "auto-a8") else None
@@ -165,9 +193,11 @@ class ModelRunner:
             # forward can call, where it will run.
             fusing = (self.device.type == "cpu" and self.decode_kernel == "cpp"
                       and mc.cpu_fused_decode != "off")
-            self.linear_plan = apply_linear_plan(self.model, self.quantization or "none",
-                                                 mc.batch_invariant, self.calibrate, gguf,
-                                                 fused_rows=16 if fusing else 0)
+            self.linear_plan = apply_linear_plan(
+                self.model, self.quantization or "none", mc.batch_invariant, self.calibrate,
+                gguf, fused_rows=16 if fusing else 0, bf16=self._bf16_compute,
+                round_blocks=self._bf16_blocks_fit,
+                gate=self._gate_inputs if self.device.type == "cpu" else None)
             if self.device.type == "cpu":  # before the fused forward keeps their addresses
                 moved = packed_weights_on_huge_pages(self.model)
                 log.debug("decode-bucket packed weights on huge pages: %.1f MB", moved / 1e6)
@@ -195,6 +225,7 @@ class ModelRunner:
         """Refuse (ModelDoesNotFit) a model whose weights, KV cache and swap space need more
         memory than is available, before any of it is allocated (CPU only: a GPU's memory is
         not this process's RAM)."""
+        self._fit_checked = True
         if self.device.type != "cpu":
             return
         cc = config.cache
@@ -206,10 +237,30 @@ class ModelRunner:
             per_block * max(2, cc.kv_cache_memory // per_block)
         dtype_scale = 1 if blocks is not None else self.dtype.itemsize / 4
         weights, transient = weights_need(hf_config, blocks, embedding_bytes)
-        check_fits(MemoryNeed(int(weights * dtype_scale), kv,
-                              int(cc.swap_space * (1 << 30)) // per_block * per_block,
-                              int(transient * dtype_scale)),
-                   model_name(config.model.model or default_model_path()))
+        need = MemoryNeed(int(weights * dtype_scale), kv,
+                          int(cc.swap_space * (1 << 30)) // per_block * per_block,
+                          int(transient * dtype_scale))
+        name = model_name(config.model.model or default_model_path())
+        check_fits(need, name)
+        self._bf16_blocks_fit = self._bf16_copy_fits(need, blocks, name)
+
+    def _bf16_copy_fits(self, need: MemoryNeed, blocks: object | None, name: str) -> bool:
+        """Whether 16-bit compute may serve a GGUF file's decoder-layer blocks: allowed
+        (--cpu-bf16-compute auto), bf16 in hardware, and their bf16 copy (16 bits a weight:
+        2 GB at Llama-3.2-1B's shape, 14 GB at 8B's) fits beside `need` (the weights, KV
+        cache and swap space); a warning says so where it does not fit."""
+        if blocks is None or not self._bf16_compute or bf16_hardware() is None:
+            return False
+        layers = blocks.layers.items()  # type: ignore[attr-defined]
+        copy = 2 * sum(b.out_features * b.in_features for (i, _), b in layers if i is not None)
+        try:
+            check_fits(MemoryNeed(need.weights + copy, need.kv_cache, need.swap_space,
+                                  need.transient), name)
+        except ModelDoesNotFit as e:
+            log.warning("16-bit compute stays off the GGUF blocks: their bf16 copy (%.2f GiB) "
+                        "does not fit beside them (%s)", copy / GiB, e)
+            return False
+        return True
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                             AttentionMetadata, torch.Tensor]:
@@ -349,6 +400,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             rate = tokens / max(time.perf_counter() - t, 1e-9)
+        self._warm_buckets()
         # Warm the decode path too (its first step pays lazy set-up: the fused forward's
         # scratch, the sampler), so that the first request is served like the tenth.
         decode = ScheduledSequence("warmup", [0], tokens - 1, blocks, True,
@@ -357,6 +409,34 @@ class ModelRunner:
             self._execute(SchedulerOutput([decode], 1))
         self._first_thread_probe(SchedulerOutput([seq], tokens))
         return swap_bw, rate
+
+    def _warm_buckets(self) -> None:
+        """One forward at each row bucket serving will use that the rate measurement's
+        128-token prefill does not (``plan.BUCKETS``): 16 rows, and a prefill chunk of
+        max_num_batched_tokens tokens twice, the second over the first's K/V (a long
+        prompt's later chunks: attention over a cached context). A path's first call at a
+        bucket pays lazy set-up (oneDNN's bf16 primitives and their weight reorders, first
+        touches of scratch), which without this landed on the first long prompt. Uses the
+        empty cache's first blocks as scratch: call before any request runs. The two chunks
+        are left out where no bucket takes bf16 and they would cost more than
+        WARM_CHUNK_MACS (1B and up: at the 8B shape they took about a minute on 2 cores)."""
+        cap = min(self.num_blocks * self.block_size, self.max_model_len)
+        chunk = min(self._max_batched_tokens, cap // 2)
+        bf16 = self.linear_plan is not None and any(
+            "bf16" in names for names in self.linear_plan.choices.values())
+        if not bf16 and 2 * chunk * decoder_macs_per_token(self.loaded.hf_config) > \
+                WARM_CHUNK_MACS:
+            chunk = 0  # C++ paths only, and a big model: minutes of start-up at the 8B shape
+        for tokens, chunks in ((min(16, cap), 1), (chunk, 2)):
+            if tokens < 1:
+                continue
+            blocks = list(range(self.blocks_needed(tokens * chunks)))
+            for c in range(chunks):
+                seq = ScheduledSequence("warmup", [0] * tokens, c * tokens, blocks, False,
+                                        SamplingParams())
+                ids, pos, meta, _ = self.prepare_inputs(SchedulerOutput([seq], tokens))
+                last = torch.tensor([tokens - 1], device=self.device)
+                self.model.forward(ids, pos, meta, self.kv_caches, last)
 
     def _first_thread_probe(self, warmup: SchedulerOutput) -> None:
         """Run the thread tuner's first probe to its verdict on repeats of the `warmup`
@@ -379,6 +459,33 @@ class ModelRunner:
             log.info("threads: the start-up probe %s %d (candidate / current step time: %s)",
                      "kept" if after == before else "chose", after,
                      "n/a" if ratio is None else f"{ratio:.2f}")
+
+    def _gate_inputs(self) -> tuple[Score, int]:
+        """(score, its text's tokens) for the quality gate of 16-bit compute
+        (``quality_gate.run_gate``): score(rows) -> the Predictions of the gate's text
+        (``gate_token_ids``, capped by the KV cache and the context), fed in chunks of `rows`
+        tokens through the empty cache's first blocks (zeroed after)."""
+        ids = gate_token_ids(self.tokenizer, min(self.num_blocks * self.block_size,
+                                                 self.max_model_len))
+        blocks = list(range(self.blocks_needed(len(ids))))
+
+        @torch.inference_mode()
+        def score(rows: int) -> Predictions:
+            parts = []
+            for start in range(0, len(ids) - 1, rows):
+                chunk = ids[start:start + rows]
+                seq = ScheduledSequence("gate", chunk, start, blocks, False, SamplingParams())
+                input_ids, positions, meta, _ = self.prepare_inputs(
+                    SchedulerOutput([seq], len(chunk)))
+                every = torch.arange(len(chunk), device=self.device)
+                logits = self.model.forward(input_ids, positions, meta, self.kv_caches, every)
+                parts.append(predictions(logits, ids[start + 1:start + rows + 1]))
+            for kv in self.kv_caches:
+                kv[:, blocks] = 0
+            return Predictions(torch.cat([p.top1 for p in parts]),
+                               torch.cat([p.nll for p in parts]))
+
+        return score, len(ids)
 
     @torch.inference_mode()
     def calibrate(self) -> list:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.quant_pack import unpack
-from service.worker.quantization import choice
+from service.worker.quantization import choice, paths
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.paths import PATHS, LinearPath, candidates
 from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_index
@@ -257,7 +257,8 @@ def test_plan_builds_shared_layers_and_knows_what_to_smooth() -> None:
     assert LinearPlan("int8", False, {"qkv": ("fp32",) * 4}).all_fp32()
 
 
-def test_candidates_per_mode() -> None:
+def test_candidates_per_mode(monkeypatch) -> None:
+    monkeypatch.setattr(paths, "bf16_hardware", lambda: "AVX512-BF16")  # auto offers bf16
     int8 = [p.name for p in candidates("int8", False)]
     assert int8[0] == "fp32" and "fbgemm" in int8 and "int_mm" in int8  # never slower than fp32
     assert "cpp-int8-avx2" in int8 and not any("int4" in n for n in int8)
@@ -417,7 +418,8 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     assert got and len({p.numerics for p in got}) == 1 and got[0].native == fmt
     path = f"cpp-{fmt}-avx2"
     assert PATHS[path].mode == "auto" and PATHS[path].accepts(lw)
-    assert not PATHS["bf16"].accepts(lw) and not PATHS["cpp-q4_1-avx2"].accepts(lw)
+    assert not PATHS["cpp-q4_1-avx2"].accepts(lw)
+    assert PATHS["bf16"] not in choice.class_paths(list(PATHS.values()), lw, False, True)
     assert f"{fmt}-dequant-mm" in PATHS
     x16 = PATHS[f"cpp-{fmt}x16-avx2"]  # int16 activations: auto's, not --batch-invariant's
     assert x16.native == fmt and x16.activation_bits == 16 and x16.bound("auto") == 1e-3

@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from service.worker.quantization.choice import choose_plan
-from service.worker.quantization.paths import BF16Linear, candidates, machine_note
-from service.worker.quantization.plan import DispatchLinear, LinearPlan
+from service.worker.quantization.paths import (PATHS, BF16Linear, bf16_hardware, candidates,
+                                               machine_note)
+from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_rows
+from service.worker.quantization.quality_gate import GateResult, Score, run_gate
 
 from service.worker.gguf_weights import DENSE_TYPES
 
@@ -85,11 +87,39 @@ def served_formats(model: LlamaModel,
     return "; ".join(f"{k}: {n} layer{'s' if n != 1 else ''}" for k, n in counts.items())
 
 
+def model_linears(model: LlamaModel) -> list[tuple[str, object]]:
+    """(class, Linear) of every linear layer: the decoder layers' in order, then the LM
+    head."""
+    out: list[tuple[str, object]] = [(c, getattr(layer, c)) for layer in model.layers
+                                     for c in CLASSES]
+    return out + [("lm_head", model.lm_head)]
+
+
+def sixteen_bit_summary(linears: Sequence[tuple[str, object]]) -> tuple[str, int]:
+    """(which buckets of which classes run bf16, e.g. "rows 181+: qkv, o, gate_up, down",
+    or "" for none; bytes of the distinct bf16 weights held)."""
+    by_bucket: dict[int, list[str]] = {}
+    held: dict[int, int] = {}
+    for cls, lin in linears:
+        fns, names = ((lin.fns, lin.names) if isinstance(lin, DispatchLinear)
+                      else ([lin] * len(BUCKETS), ("",) * len(BUCKETS)))
+        for b, (fn, name) in enumerate(zip(fns, names)):
+            if isinstance(fn, BF16Linear):
+                held[id(fn)] = fn.weight.numel() * fn.weight.element_size()
+                if cls not in by_bucket.setdefault(b, []):
+                    by_bucket[b].append(cls)
+    text = "; ".join(f"rows {bucket_rows(b)}: {', '.join(c)}"
+                     for b, c in sorted(by_bucket.items()))
+    return text, sum(held.values())
+
+
 @torch.inference_mode()
 def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
                       calibrate: Callable[[], list],
                       gguf: GGUFLinearWeights | None = None,
-                      fused_rows: int = 0) -> LinearPlan:
+                      fused_rows: int = 0, *, bf16: bool = True, round_blocks: bool = False,
+                      gate: Callable[[], tuple[Score, int]] | None = None
+                      ) -> LinearPlan:
     """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached per
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
     serves (``calibrate()``: per-layer AmaxObservers), and replace the model's linear layers.
@@ -97,11 +127,19 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     mode: "none" (fp32 weights; batch invariance only), "int8", "int4", "auto" (the
         checkpoint's own weights: `gguf`'s native blocks where given and verified, else
         the dense weights, on the fastest path measured: fp32 activations, or int16 ones
-        on the blocks) or "auto-a8" (auto's weights, int8-activation paths among the
-        candidates).
+        on the blocks, and bf16 for many-row calls where `bf16` allows it, the CPU computes
+        it in hardware and the quality gate passes) or "auto-a8" (auto's weights,
+        int8-activation paths among the candidates).
     gguf: auto on a GGUF file: its layers in their own block formats.
     fused_rows: row buckets up to this size prefer C++ kernels the fused forward can call
         (``choose_plan``); 0 where no step will be fused.
+    bf16: the auto modes may offer bf16 at all (``--cpu-bf16-compute``; ``candidates``).
+    round_blocks: the decoder layers' GGUF blocks may also be served by bf16 over a copy
+        dequantized once to bf16 (16 bits a weight: the caller checked that it fits in
+        memory). Never the LM head's: it sees one row per sampling sequence.
+    gate: in the auto modes where bf16 was chosen for some bucket, () -> (the quality
+        gate's score, its text's tokens) (``quality_gate.run_gate``); None: no bf16 in the
+        auto modes (nothing can vouch for it).
 
     Raises:
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
@@ -120,9 +158,12 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     first = {c: natives[(0, c)] for c in CLASSES if (0, c) in natives}
     if (None, "lm_head") in natives:
         first["lm_head"] = natives[(None, "lm_head")]
-    plan = choose_plan(model.linear_weights(), candidates(mode, batch_invariant), mode,
-                       batch_invariant, natives=first, fused_rows=fused_rows,
-                       native_only=blocks_only)
+    auto = mode in ("auto", "auto-a8")
+    plan = choose_plan(model.linear_weights(),
+                       candidates(mode, batch_invariant, bf16=bf16 and gate is not None),
+                       mode, batch_invariant, natives=first, fused_rows=fused_rows,
+                       native_only=blocks_only,
+                       round_blocks=frozenset(CLASSES) if round_blocks and auto else frozenset())
     plan = dataclasses.replace(plan, natives=natives)
     # the whole timing table is a few KB: --log-level debug shows it, info the summary below
     log.debug("%s\n  (%s)", plan.table(), machine_note())
@@ -132,9 +173,52 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     smooth = plan.smoothed_classes()
     observed = calibrate() if smooth else None
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
+    if auto:
+        plan = _gate_16bit(model, plan, gate, bf16, round_blocks, blocks_only)
     log.info("linear layers: %s (SmoothQuant on %s; %s)", plan.summary(),
              ", ".join(sorted(smooth)) or "none", machine_note())
-    if mode in ("auto", "auto-a8"):
+    if auto:
         log.info(f"quantization {mode}: one-row calls (decode) read %s",
                  served_formats(model, natives))
     return plan.without_natives()
+
+
+def _gate_16bit(model: LlamaModel, plan: LinearPlan,
+                gate: Callable[[], tuple[Score, int]] | None, bf16: bool,
+                round_blocks: bool, blocks_only: bool) -> LinearPlan:
+    """Run the quality gate where the plan put bf16 on some bucket (``run_gate``), set the
+    plan's choices to what the model's layers then run, and log the start-up line on
+    16-bit compute: which buckets of which classes use it, the gate's figures, the bf16
+    weights' bytes; or why none does."""
+    linears = model_linears(model)
+    results: list[GateResult] = []
+    if gate is not None and any(PATHS[n].rounds_weights for names in plan.choices.values()
+                                for n in names):
+        results = run_gate([lin for _, lin in linears], *gate())
+    served: dict[str, tuple[str, ...]] = {}
+    for cls, lin in linears:  # the first layer of each class, as the plan's choices
+        if cls not in served:
+            served[cls] = (lin.names if isinstance(lin, DispatchLinear)
+                           else plan.choices[cls])
+    plan = dataclasses.replace(plan, choices={c: served.get(c, n)
+                                              for c, n in plan.choices.items()})
+    where, held = sixteen_bit_summary(linears)
+    hw = bf16_hardware()
+    gated = "; ".join(r.describe() + (" passed" if r.passes() else " refused")
+                      for r in results) if results else ""
+    if where:
+        log.info("16-bit compute (bf16 F.linear, %s in hardware) for %s; bf16 weights %.1f "
+                 "MB%s; quality gate against the exact plan: %s", hw, where, held / 1e6,
+                 " (the GGUF blocks dequantized once; the blocks still serve fewer rows)"
+                 if blocks_only else "", gated)
+        return plan
+    why = ("--cpu-bf16-compute off" if not bf16 else
+           "this CPU emulates bf16 (no AMX or AVX512-BF16)" if hw is None else
+           "no quality gate here" if gate is None else
+           f"the quality gate refused it ({gated})" if results else
+           "the GGUF blocks' bf16 copy would not fit in memory (see the memory line above)"
+           if blocks_only and not round_blocks else
+           f"{', '.join(str(r) for r in BUCKETS[1:])}-row calls measured faster on the "
+           "exact paths")
+    log.info("16-bit compute: none (%s)", why)
+    return plan

@@ -47,7 +47,8 @@ import torch
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
 from service.worker.quantization.isa import CAP_VARS
-from service.worker.quantization.paths import ERROR_BOUNDS, LayerWeights, LinearPath
+from service.worker.quantization.paths import (BF16_BLOCKS_MIN_ROWS, ERROR_BOUNDS,
+                                               LayerWeights, LinearPath)
 
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
@@ -287,15 +288,19 @@ def pick(timings_ms: Mapping[str, float], errors: Mapping[str, float],
 
 
 def class_paths(paths: Sequence[LinearPath], lw: LayerWeights,
-                batch_invariant: bool, native_only: bool = False) -> list[LinearPath]:
+                batch_invariant: bool, native_only: bool = False,
+                round_blocks: bool = False) -> list[LinearPath]:
     """The paths among `paths` that can serve the layer `lw` (a native q4_1 / q8_0 path
     needs its blocks); batch-invariant: only those with the first one's numerics (the
     candidates list the layer's native format before f32), so that every bucket computes
-    the same bits. native_only: a layer with native blocks takes only paths over them
-    (no dense copy of its weight is ever made)."""
+    the same bits. native_only: a layer with native blocks takes only paths over them (no
+    dense fp32 copy of its weight is ever made). round_blocks: a layer with native blocks
+    is also offered the paths that round its weights (``LinearPath.rounds_weights``: bf16
+    over the blocks dequantized once to bf16); without it, never."""
     ok = [p for p in paths if p.accepts(lw)]
-    if native_only and lw.native is not None:
-        ok = [p for p in ok if p.native is not None]
+    if lw.native is not None:
+        ok = [p for p in ok if (round_blocks if p.rounds_weights
+                                else not native_only or p.native is not None)]
     return [p for p in ok if p.numerics == ok[0].numerics] if batch_invariant and ok else ok
 
 
@@ -304,7 +309,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                 timer: Timer | None = None, use_cache: bool = True,
                 int4_group: int | None = None,
                 natives: Mapping[str, BlockWeight] | None = None,
-                fused_rows: int = 0, native_only: bool = False) -> LinearPlan:
+                fused_rows: int = 0, native_only: bool = False,
+                round_blocks: frozenset[str] = frozenset()) -> LinearPlan:
     """Measure and choose a path per (shape class, row bucket).
 
     Args:
@@ -325,6 +331,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
             C++ kernel, and saves more than that per step. 0: plain fastest.
         native_only: a class with native blocks is offered only the paths over them
             (``class_paths``): the model holds no dense copy of such layers.
+        round_blocks: the classes whose native blocks may also be served by a path that
+            rounds them (bf16 over a bf16 copy made once; ``class_paths``).
 
     Raises:
         ValueError: no candidate can run here, or none is correct for some class.
@@ -347,7 +355,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
     for cls, (weight, bias) in layers.items():
         kw = {} if int4_group is None else {"int4_group": int4_group}
         lw = lws[cls] = LayerWeights(weight, bias, native=(natives or {}).get(cls), **kw)
-        mine = class_paths(usable, lw, batch_invariant, native_only)
+        mine = class_paths(usable, lw, batch_invariant, native_only, cls in round_blocks)
         check = lw.check_sample(CHECK_OUT_ROWS)
         errors[cls] = {p.name: relative_errors(p, check) for p in mine}
         saturation[cls] = _probe(cls, lw.shape, [p for p in mine if needs_probe(p)], bound)
@@ -381,7 +389,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                                  f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|"
                                  f"{rows}")
                         for p in correct[cls] if err[p.name] <= bounds[p.name]
-                        and rows >= p.min_rows}
+                        and rows >= (BF16_BLOCKS_MIN_ROWS if p.rounds_weights
+                                     and lw.native is not None else p.min_rows)}
                 missing = [p for p in correct[cls] if p.name in keys
                            and keys[p.name] not in timings]
                 if missing:
