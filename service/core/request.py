@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
+from service.core.scheduler_output import TokenConstraint
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,9 @@ class Request:
     # chunk by chunk, delivered once with the first output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # structured output / tool calls: the grammar state the runner masks this request's
+    # samples with (bound to output_token_ids, which is why that list is never replaced)
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         # Admission fills an unset max_tokens (the model's max_new_tokens, fitted to the

@@ -238,7 +238,8 @@ class Scheduler:
                 last = req.output_token_ids[-1] if req.output_token_ids else \
                     req.prompt_token_ids[-1]
                 st.sequences.append(ScheduledSequence(req.request_id, [last], start,
-                                                      req.block_ids, True, req.params))
+                                                      req.block_ids, True, req.params, None,
+                                                      req.constraint))
                 st.scheduled.add(req.request_id)
                 st.budget -= 1
                 continue
@@ -327,7 +328,8 @@ class Scheduler:
             not req.output_token_ids else None
         # positional: this runs for every sequence of every step
         st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
-                                              start + n == num_tokens, req.params, prompt))
+                                              start + n == num_tokens, req.params, prompt,
+                                              req.constraint))
         st.scheduled.add(req.request_id)
         st.budget -= n
 

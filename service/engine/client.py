@@ -51,6 +51,14 @@ class EngineRequest:
     arrival_time: `time.monotonic()` of receipt, s (default: when the engine gets it);
         TTFT and E2E latency count from it.
     connection_id: logged with every line about the request ("c7").
+    tools: OpenAI's tool list (`protocol.structured.Tool`s or their dicts), with
+        `messages` (or with `prompt_token_ids` already rendered with them);
+        tool_choice: "none", "auto" (the default with tools), "required" or
+        `{"type": "function", "function": {"name": ...}}`. The output is then constrained
+        to a call or (auto) a plain answer, and calls come as `Delta.tool_calls`.
+    parallel_tool_calls: False: at most one call (OpenAI's `parallel_tool_calls`).
+    tool_style: how calls are written ("hermes", "llama", "generic"); None: what the
+        model's chat template uses (only a caller that rendered the prompt itself sets it).
     """
 
     messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None
@@ -61,6 +69,10 @@ class EngineRequest:
     client_id: str | None = None
     arrival_time: float | None = None
     connection_id: str | None = None
+    tools: Sequence[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    tool_style: str | None = None
 
     def resolved(self) -> EngineRequest:
         """This request with request_id, client_id and arrival_time filled in."""
@@ -148,13 +160,15 @@ class EngineClient(abc.ABC):
     async def generate(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
                        prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                        params: SamplingParams | Mapping[str, Any] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
+                       request_id: str | None = None, tools: Sequence[Any] | None = None,
+                       tool_choice: Any = None) -> AsyncIterator[Event]:
         """Deltas of one request, then its Done (usage and timings); the fields are
         `EngineRequest`'s. Breaking out of the iteration aborts the request. Raises what
         add_request raises."""
         request = EngineRequest(messages=messages, prompt=prompt,
                                 prompt_token_ids=prompt_token_ids, params=params,
-                                request_id=request_id).resolved()
+                                request_id=request_id, tools=tools,
+                                tool_choice=tool_choice).resolved()
         stream = await self.open_stream(request)
         try:
             async for event in stream:

@@ -27,7 +27,18 @@ from service.front.openai.request import Plan
 
 log = structlog.get_logger(__name__)
 _encode = msgspec.json.Encoder().encode
-FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "abort",
+          "error": "error"}
+
+
+def _call_piece(part: Any) -> dict[str, Any]:
+    """A `protocol.structured.ToolCallDelta` as OpenAI's chunk `tool_calls` entry."""
+    piece: dict[str, Any] = {"index": part.index, "function": {"arguments": part.function.arguments}}
+    if part.id is not None:
+        piece["id"] = part.id
+        piece["type"] = "function"
+        piece["function"]["name"] = part.function.name
+    return piece
 
 
 class Run:
@@ -44,6 +55,7 @@ class Run:
         self.finished: set[int] = set()
         self.done: dict[int, Done] = {}
         self.texts: dict[int, list[str]] = {}
+        self.calls: dict[int, list[Any]] = {}  # complete tool calls per choice (from Done)
         self.queue: asyncio.Queue[tuple[int, Delta | Error | Done]] = asyncio.Queue()
         self.error: OpenAIError | None = None
         # logprobs (when the plan asks): per choice, the scored ids and their scores
@@ -138,13 +150,16 @@ class Run:
         return "text_completion"
 
     def _choice(self, i: int, text: str | None, finish: str | None, first: bool = False,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None = None,
+                tool_calls: list[Any] | None = None) -> dict[str, Any]:
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [_call_piece(p) for p in tool_calls]
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
@@ -204,6 +219,9 @@ class Run:
                         if event.logprobs else None
                     if event.text or scores is not None:
                         yield self._chunk([self._choice(i, event.text, None, logprobs=scores)])
+                    if event.tool_calls:
+                        yield self._chunk([self._choice(i, None, None,
+                                                        tool_calls=event.tool_calls)])
                 elif isinstance(event, Done) and event.finish_reason != "error":
                     yield self._chunk([self._choice(i, None if self.plan.kind == "chat"
                                                     else "", FINISH[event.finish_reason])])
@@ -226,6 +244,8 @@ class Run:
                     self._score(i, event)
                 elif isinstance(event, Done) and event.finish_reason == "error":
                     self.abort()
+                elif isinstance(event, Done) and event.tool_calls:
+                    self.calls[i] = event.tool_calls
         finally:
             self.abort()
         if self.error is not None:
@@ -236,8 +256,12 @@ class Run:
             finish = FINISH[self.done[i].finish_reason]
             scores = self._logprobs(i, *self.scored.get(i, ([], [])))
             if self.plan.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": scores, "finish_reason": finish})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if i in self.calls:  # OpenAI: content null beside calls when there is none
+                    message["content"] = text or None
+                    message["tool_calls"] = [msgspec.to_builtins(c) for c in self.calls[i]]
+                choices.append({"index": i, "message": message, "logprobs": scores,
+                                "finish_reason": finish})
             else:
                 if self.plan.echo:
                     text = self.echo_text(i) + text
