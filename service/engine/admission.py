@@ -37,7 +37,8 @@ from service.engine.constraints.compiler import GrammarCompiler
 from service.engine.constraints.grammar import GrammarSource, grammar_of_params
 from service.engine.constraints.tools import ToolFormat, ToolPlan
 from service.engine.request_input import PromptTokenizer
-from service.engine.request_input import coerce_messages, coerce_params, coerce_token_ids
+from service.engine.request_input import (coerce_messages, coerce_params, coerce_token_ids,
+                                          invalid_at)
 from service.engine.sampling_defaults import SamplingDefaults
 
 __all__ = ["Admission", "Prepared"]
@@ -180,12 +181,17 @@ class Admission:
         `prompt_token_ids` a caller rendered with them: the cluster's replicas)."""
         if request.tools is None and request.tool_choice is None:
             return None
+        raw = [msgspec.structs.asdict(t) if isinstance(t, Tool) else t
+               for t in request.tools or ()]
         try:
-            tools = msgspec.convert(list(request.tools or ()), list[Tool])
-            choice = msgspec.convert(request.tool_choice, ToolChoice | None)
+            tools = msgspec.convert(raw, list[Tool])
         except msgspec.ValidationError as e:
-            raise InvalidRequest(f"tools / tool_choice: {e}", param="$.tools",
-                                 request_id=client_id) from None
+            raise invalid_at(e, "$.tools", client_id) from None
+        choice = request.tool_choice
+        try:
+            choice = msgspec.convert(msgspec.to_builtins(choice), ToolChoice | None)
+        except msgspec.ValidationError as e:
+            raise invalid_at(e, "$.tool_choice", client_id) from None
         if tools and request.prompt is not None:
             raise InvalidRequest("tools need `messages` (a chat), not a raw prompt",
                                  param="$.tools", request_id=client_id)

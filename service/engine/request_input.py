@@ -41,10 +41,11 @@ from service.engine.constraints.tools import history_turns, template_tool_style
 if TYPE_CHECKING:
     from service.engine.constraints.tools import ToolPlan
 
-__all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids"]
+__all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids",
+           "invalid_at"]
 
 
-def _invalid(e: msgspec.ValidationError, prefix: str, request_id: str | None) -> InvalidRequest:
+def invalid_at(e: msgspec.ValidationError, prefix: str, request_id: str | None) -> InvalidRequest:
     """msgspec's "... - at `$.temperature`" as an InvalidRequest at `prefix` + the path."""
     text = str(e)
     message, sep, where = text.rpartition(" - at `")
@@ -81,7 +82,7 @@ def coerce_params(params: SamplingParams | Mapping[str, Any] | None, *,
     try:
         return msgspec.convert(raw, SamplingParams)
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.params", request_id) from None
+        raise invalid_at(e, "$.params", request_id) from None
 
 
 def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
@@ -100,7 +101,7 @@ def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
     try:
         turns = msgspec.convert(raw, list[ChatMessage])
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.messages", request_id) from None
+        raise invalid_at(e, "$.messages", request_id) from None
     if not turns:
         raise InvalidRequest("messages must hold at least one turn", param="$.messages",
                              request_id=request_id)
@@ -122,7 +123,7 @@ def coerce_token_ids(token_ids: Sequence[int], *, request_id: str | None = None)
     try:
         return msgspec.convert(list(token_ids), list[TokenId])
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.prompt_token_ids", request_id) from None
+        raise invalid_at(e, "$.prompt_token_ids", request_id) from None
 
 
 
