@@ -164,7 +164,7 @@ class TokenLogprob(Struct, frozen=True, array_like=True, gc=False):
     top: list[tuple[int, float]]
 
 
-class ChatMessage(Struct, frozen=True):
+class ChatMessage(Struct, frozen=True, omit_defaults=True):
     """One chat turn: `role` ("system", "user", "assistant", "tool", ...) and its `content`.
 
     An assistant turn may carry the `tool_calls` it made (its content then may be None or

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from protocol import (
+    InvalidRequest,
     Accepted,
     Cancel,
     ChatMessage,
@@ -193,7 +194,29 @@ def test_sampling_params_defaults_are_the_protocol_table() -> None:
         # (the WebSocket route refuses them, tests/integration/test_server.py)
         "logprobs": None,
         "prompt_logprobs": None,
+        # PROTOCOL.md's structured output (issue 48): no constraint by default
+        "response_format": None,
+        "structured": None,
     }
+
+
+def test_structured_params_decode_and_refuse_bad_shapes() -> None:
+    msg = decode_client_frame('{"type": "generate", "id": "a", "messages": [{"role": "user", '
+                              '"content": "x"}], "params": {"response_format": {"type": '
+                              '"json_schema", "json_schema": {"name": "p", "schema": '
+                              '{"type": "object"}}}}, "tools": [{"type": "function", '
+                              '"function": {"name": "f"}}], "tool_choice": "required"}')
+    assert msg.params.response_format.json_schema.schema == {"type": "object"}
+    assert msg.tools[0].function.name == "f" and msg.tool_choice == "required"
+    for params, path in (('{"structured": {"regex": "a", "choice": ["b"]}}', "$.params.structured"),
+                         ('{"structured": {}}', "$.params.structured"),
+                         ('{"response_format": {"type": "json_schema"}}', "$.params.response_format"),
+                         ('{"response_format": {"type": "json_object"}, "structured": '
+                          '{"regex": "a"}}', "$.params")):
+        with pytest.raises(InvalidRequest) as e:
+            decode_client_frame('{"type": "generate", "id": "a", "prompt": "x", "params": '
+                                + params + "}")
+        assert e.value.param == path, (params, e.value.param)
 
 
 def test_sampling_params_are_frozen_and_hashable() -> None:
