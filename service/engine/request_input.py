@@ -105,6 +105,11 @@ def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
     if not turns:
         raise InvalidRequest("messages must hold at least one turn", param="$.messages",
                              request_id=request_id)
+    for i, t in enumerate(turns):
+        if t.content is None and not (t.role == "assistant" and t.tool_calls):
+            raise InvalidRequest(f"$.messages[{i}]: a turn needs `content` (only an assistant "
+                                 "turn that calls tools may leave it out)",
+                                 param=f"$.messages[{i}]", request_id=request_id)
     # None content (an assistant turn that only called tools) reads as ""
     return [t if t.content is not None else msgspec.structs.replace(t, content="")
             for t in turns]
