@@ -84,7 +84,10 @@ def grammar_of_params(params: SamplingParams, request_id: str | None = None,
                     schema = close_objects(schema)
         _check_size(json.dumps(schema), param, request_id)
         try:
-            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(schema), param)
+            # one way to write it: no free whitespace (a small model given room for blanks
+            # may spend max_tokens on them, and the output then never closes)
+            return GrammarSource(llguidance.LLMatcher.grammar_from_json_schema(
+                schema, overrides={"whitespace_flexible": False}), param)
         except Exception as e:  # llguidance raises ValueError / RuntimeError for bad schemas
             raise InvalidRequest(f"{param}: the schema cannot be served: {e}", param=param,
                                  request_id=request_id) from None
