@@ -56,7 +56,11 @@ class EngineRequest:
         tool_choice: "none", "auto" (the default with tools), "required" or
         `{"type": "function", "function": {"name": ...}}`. The output is then constrained
         to a call or (auto) a plain answer, and calls come as `Delta.tool_calls`.
-    parallel_tool_calls: False: at most one call (OpenAI's `parallel_tool_calls`).
+    parallel_tool_calls: True: several calls may follow each other; False (the default,
+        as llama.cpp's server has it): exactly one call when the model calls (OpenAI's
+        `parallel_tool_calls`, which OpenAI defaults to true: one call is a valid answer
+        either way, and a small model given room for more may repeat its call until
+        max_tokens).
     tool_style: how calls are written ("hermes", "llama", "generic"); None: what the
         model's chat template uses (only a caller that rendered the prompt itself sets it).
     """
@@ -71,7 +75,7 @@ class EngineRequest:
     connection_id: str | None = None
     tools: Sequence[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = False
     tool_style: str | None = None
 
     def resolved(self) -> EngineRequest:

@@ -108,7 +108,7 @@ class OutputProcessor:
             if reason is not None and reason != "error":
                 more_text, last = live.tools.finish()
                 text, calls = text + more_text, calls + last
-                if reason == "stop" and live.tools.calls:
+                if reason == "stop" and live.tools.calls and not live.tools.partial:
                     reason = "tool_calls"
         if out.new_token_ids or text or calls or out.prompt_logprobs is not None:
             live.sink(Delta(id=live.client_id, index=live.sent_tokens, text=text,

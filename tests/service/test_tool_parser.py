@@ -55,7 +55,34 @@ def test_llama_json_form():
         [("f", '{"a": 1}')]
 
 
-def test_a_call_cut_short_is_not_reported():
+def test_a_call_cut_inside_its_arguments_is_reported_as_streamed():
+    """max_tokens inside the arguments: the call, with the arguments streamed so far."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'
+    for seed in range(20):
+        p = ToolCallParser(FORMATS["generic"])
+        out, pieces = feed_in_pieces(p, text, random.Random(seed))
+        assert out == "" and p.is_calls and p.partial
+        assert [(c.function.name, c.function.arguments) for c in p.calls] == \
+            [("f", '{"a": [1, 2')]
+        assert "".join(d.function.arguments for d in pieces) == '{"a": [1, 2'
+        assert pieces[0].id == p.calls[0].id
+
+
+def test_a_call_cut_before_its_name_is_returned_as_text():
+    """Nothing was streamed of it: its text comes back as plain text, after complete calls."""
+    done = '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>\n'
+    for cut in ('<tool_call>\n{"na', '<tool_call>\n{"name": "get_we'):
+        p = ToolCallParser(FORMATS["generic"])
+        out, _ = feed_in_pieces(p, cut, random.Random(5))
+        assert out == cut and p.calls == [] and not p.partial
+        p = ToolCallParser(FORMATS["generic"])
+        out, _ = feed_in_pieces(p, done + cut, random.Random(6))
+        assert out.lstrip() == cut and [c.function.name for c in p.calls] == ["f"]
+        assert not p.partial
+
+
+def test_a_call_cut_in_its_closing_text_is_complete():
     p = ToolCallParser(FORMATS["generic"])
-    feed_in_pieces(p, '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', random.Random(4))
-    assert p.is_calls and p.calls == []
+    out, _ = feed_in_pieces(p, '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_',
+                            random.Random(7))
+    assert out == "" and not p.partial and p.calls[0].function.arguments == '{"a":1}'

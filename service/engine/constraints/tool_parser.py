@@ -10,8 +10,16 @@ arguments is found by counting brackets outside JSON strings, so nothing is held
 longer than the grammar's closing text.
 
 Pure and incremental: `feed(text)` for each new piece of detokenized text, `finish()` at
-the end. The grammar makes the text well formed; text that is not (a completion cut by
-max_tokens) leaves its last call incomplete, and `finish` reports only complete calls.
+the end. The grammar makes the text well formed, but a completion may end inside a call
+(max_tokens, a stop string, a cancel). Nothing generated is then dropped, and what `finish`
+reports matches what was streamed:
+    - a call whose name was complete (its id, name and some arguments already streamed) is
+      reported in `calls` with the arguments generated so far, which do not parse, and
+      `partial` is set: OpenAI answers a call cut by max_tokens the same way, with
+      finish_reason "length";
+    - text of a call that had not reached its name yet (e.g. `<tool_call>\n{"na`), which
+      was held back, is returned as plain text (vLLM returns the text of a call it could
+      not parse as content).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class ToolCallParser:
         self._started = False  # the current call's arguments have begun
         self._closing = False  # a call ended: its closing text is still to skip
         self._brace_seen = False
+        self.partial = False  # `finish` reported a call cut before its end
 
     @property
     def is_calls(self) -> bool:
@@ -88,7 +97,17 @@ class ToolCallParser:
             return out, []
         if self._mode == "text":
             return "", []
-        return "", self._parse()
+        pieces = self._parse()
+        if self._started:  # cut inside the arguments: report what was streamed
+            self.calls.append(ToolCall(id=self._id, function=FunctionCall(
+                self._name, "".join(self._args))))
+            self._started = False
+            self.partial = True
+            return "", pieces
+        if self._closing:  # the arguments are complete; the closing text was cut
+            return "", pieces
+        out, self._buf = self._buf, ""  # a call cut before its name was complete
+        return out, pieces
 
     def _parse(self) -> list[ToolCallDelta]:
         pieces: list[ToolCallDelta] = []

@@ -15,10 +15,18 @@ Three styles, chosen per model from its chat template (`template_tool_style`, on
 The output is constrained by a grammar (llguidance's Lark) built from the tools' JSON
 Schemas, so a call always parses and its arguments validate:
 
-    tool_choice "auto" (the default)   a plain answer that does not start like a call, or calls
-    tool_choice "required"             one or more calls (one for the llama style)
+    tool_choice "auto" (the default)   a plain answer that does not start like a call, or a call
+    tool_choice "required"             a call
     tool_choice {"function": {name}}   exactly one call of that function
     tool_choice "none"                 tools not shown, output not constrained
+
+"A call" is exactly one call, unless the client asked for parallel calls
+(`parallel_tool_calls: true`; not the llama style, not a named function): then one or more,
+separated by a newline. The call's JSON has no free whitespace (one way to write it), and
+after its closing text the grammar is complete, so the only token it allows is EOS: a
+model cannot drift into a second call or trailing text and spend max_tokens there (as
+llama.cpp's server and vLLM constrain a `required` call; llama.cpp also defaults
+`parallel_tool_calls` to false).
 """
 
 from __future__ import annotations
@@ -56,12 +64,12 @@ GENERIC_PROMPT = """You can call functions. Their JSON Schemas, one a line:
 <tools>
 {tools}
 </tools>
-{rule} To call functions, answer with nothing but one or more calls, each one written as:
+{rule} To call {what}, answer with nothing but {how}, written as:
 <tool_call>
 {{"name": "<function name>", "arguments": <its arguments as a JSON object>}}
 </tool_call>"""
 _RULES = {"auto": "Call a function when one helps; otherwise answer in plain text.",
-          "required": "You must call at least one function."}
+          "required": "You must call a function."}
 
 _PROBE = "conveyor_probe_function_7c1e"
 
@@ -103,19 +111,20 @@ class ToolPlan:
 
     tools: the request's tools (1 to MAX_TOOLS); choice: "auto", "required" or a function
     name (`named`); style: one of STYLES; parallel: several calls may follow each other
-    (where the style allows it).
+    (where the style allows it; the client's `parallel_tool_calls: true`), else exactly
+    one call, after which only EOS may come.
     """
 
     tools: tuple[Tool, ...]
     choice: str
     named: bool
     style: str
-    parallel: bool = True
+    parallel: bool = False
 
     @staticmethod
     def make(tools: Sequence[Tool] | None, tool_choice: str | ToolChoiceFunction | None,
              style: str, request_id: str | None = None, *,
-             parallel: bool = True) -> ToolPlan | None:
+             parallel: bool = False) -> ToolPlan | None:
         """The plan, or None when no tool may be called (no tools, or tool_choice "none").
 
         Raises InvalidRequest: tool_choice "required" or a function without tools, a
@@ -164,7 +173,10 @@ class ToolPlan:
                                      ensure_ascii=False) for t in self.tools)
         rule = f"You must call the function {self.choice}." if self.named \
             else _RULES[self.choice]
-        return GENERIC_PROMPT.format(tools=lines, rule=rule)
+        many = self.parallel and not self.named
+        return GENERIC_PROMPT.format(
+            tools=lines, rule=rule, what="functions" if many else "a function",
+            how="one or more calls, each one" if many else "the call")
 
     def grammar(self, request_id: str | None = None) -> GrammarSource:
         """The output grammar (see the module docstring)."""

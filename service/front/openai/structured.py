@@ -9,7 +9,8 @@ They become the engine's `response_format` / `structured` params, checked there 
 schema or regex is a 400 naming the field the client sent).
 
 Tools (chat only): `tools`, `tool_choice` ("none", "auto", "required", {"type": "function",
-"function": {"name"}}) and `parallel_tool_calls` (false: at most one call), handed to the
+"function": {"name"}}) and `parallel_tool_calls` (true: several calls may follow each
+other; absent or false: one call, llama.cpp's default), handed to the
 engine (`service.engine.constraints.tools`).
 """
 
@@ -106,6 +107,6 @@ def tool_fields(body: dict) -> dict[str, Any]:
             raise bad("tool_choice", "tool_choice needs `tools`")
         return {}
     out: dict[str, Any] = {"tools": tools, "tool_choice": choice}
-    if parallel is False:
-        out["parallel_tool_calls"] = False
+    if parallel is True:  # else one call (see EngineRequest.parallel_tool_calls)
+        out["parallel_tool_calls"] = True
     return out
