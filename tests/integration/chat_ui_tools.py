@@ -27,7 +27,8 @@ _END = ("end_timestamp", _I, "Only include items updated before this Unix time i
 _QUERY = ("query", _S, "The words to search for, as the user would type them into a search "
           "box. Keep it short and specific; rewrite pronouns into the names they refer to, "
           "drop filler words, and keep names, numbers and quoted phrases exactly as the user "
-          "wrote them. Search in the language of the material, not only the user's.", True)
+          "wrote them. Search in the language of the material, not only the user's. Make "
+          "one call per topic rather than one long query.", True)
 
 # (name, description, [(parameter, type, description, required), ...])
 _TOOLS: list[tuple[str, str, list[tuple[str, str, str, bool]]]] = [
@@ -66,15 +67,18 @@ _TOOLS: list[tuple[str, str, list[tuple[str, str, str, bool]]]] = [
      "user corrects a fact that was remembered earlier.",
      [("memory_id", _S, "The id of the memory, as returned by search_memories.", True),
       ("content", _S, "The corrected fact, written as a full sentence.", True)]),
-    ("delete_memory", "Delete one stored memory the user no longer wants kept.",
+    ("delete_memory", "Delete one stored memory the user no longer wants kept. Confirm with the user first "
+     "when it is not clear which memory they mean.",
      [("memory_id", _S, "The id of the memory, as returned by search_memories.", True)]),
-    ("list_memories", "List the most recent stored memories with their ids, newest first.",
+    ("list_memories", "List the most recent stored memories with their ids, newest first. Use it when the "
+     "user asks what the assistant remembers about them.",
      [_COUNT]),
     ("search_notes", "Search the user's notes by title and content. Returns each match's id, "
      "title, a snippet and when it was last edited. Use view_note to read a match in full "
      "before quoting it.",
      [_QUERY, _COUNT, _START, _END]),
-    ("view_note", "Return the full content of one note in Markdown.",
+    ("view_note", "Return the full content of one note in Markdown, with its title, its tags and when it "
+     "was created and last edited.",
      [("note_id", _S, "The id of the note, as returned by search_notes.", True)]),
     ("write_note", "Create a new note for the user. Use it when the user asks to save a "
      "summary, a list or a draft for later. Tell the user the title you chose so that they "
@@ -90,31 +94,35 @@ _TOOLS: list[tuple[str, str, list[tuple[str, str, str, bool]]]] = [
      "Returns each match's id, title, a snippet and when it was last active. Use it when "
      "the user refers to something discussed before, e.g. 'what did we decide yesterday'.",
      [_QUERY, _COUNT, _START, _END]),
-    ("view_chat", "Return the messages of one earlier conversation, oldest first.",
+    ("view_chat", "Return the messages of one earlier conversation, oldest first, with the model that "
+     "wrote each answer. Long conversations are cut to their last 100 messages.",
      [("chat_id", _S, "The id of the conversation, as returned by search_chats.", True)]),
-    ("rename_chat", "Give one conversation a new title.",
+    ("rename_chat", "Give one conversation a new title, for example when the user asks to file it under a "
+     "clearer name. The conversation itself is not changed.",
      [("chat_id", _S, "The id of the conversation, as returned by search_chats.", True),
       ("title", _S, "The new title, at most a few words.", True)]),
-    ("search_channels", "Search the shared channels the user belongs to by name and topic.",
+    ("search_channels", "Search the shared channels the user belongs to by name and topic. Returns each "
+     "channel's id, name, topic and member count.",
      [_QUERY, _COUNT]),
     ("search_channel_messages", "Search the messages posted in shared channels. Restrict the "
      "search to one channel when the user names it. Results include the channel's name, the "
      "author and the time of each message.",
      [_QUERY, ("channel_id", _S, "Only search this channel; leave it out to search all of "
                "the user's channels.", False), _COUNT, _START, _END]),
-    ("view_channel_message", "Return one channel message with its author, time and "
-     "reactions.",
+    ("view_channel_message", "Return one channel message with its author, time, "
+     "reactions and attachments, and the number of replies in its thread.",
      [("message_id", _S, "The id of the message, as returned by search_channel_messages.",
        True)]),
     ("view_channel_thread", "Return every reply in the thread under one channel message, "
-     "oldest first.",
+     "oldest first, with each reply's author and time.",
      [("parent_message_id", _S, "The id of the message that started the thread.", True)]),
     ("list_knowledge_bases", "List the knowledge bases (collections of documents) the user "
      "can read, with their ids, names and descriptions. Use the ids with "
      "query_knowledge_bases.",
      [_COUNT, ("skip", _I, "How many knowledge bases to skip, for paging.", False)]),
     ("search_knowledge_bases", "Search the knowledge bases by name and description, to find "
-     "which collection holds the documents the user means.",
+     "which collection holds the documents the user means before querying it. Returns each "
+     "knowledge base's id, name, description and number of files.",
      [_QUERY, _COUNT]),
     ("query_knowledge_bases", "Retrieve the passages most relevant to a question from the "
      "documents of one or more knowledge bases. Use it to answer questions about the user's "
@@ -122,19 +130,23 @@ _TOOLS: list[tuple[str, str, list[tuple[str, str, str, bool]]]] = [
      "nothing relevant is found, say so instead of answering from general knowledge.",
      [_QUERY, ("knowledge_ids", _A, "The ids of the knowledge bases to search; leave it out "
                "to search all of them.", False), _COUNT]),
-    ("search_knowledge_files", "Search the files of the knowledge bases by file name.",
+    ("search_knowledge_files", "Search the files of the knowledge bases by file name. Returns each file's id, name, "
+     "size, type and the knowledge base it belongs to.",
      [_QUERY, ("knowledge_id", _S, "Only search the files of this knowledge base.", False),
       _COUNT]),
     ("query_knowledge_files", "Retrieve the passages most relevant to a question from "
-     "specific files of the knowledge bases.",
+     "specific files of the knowledge bases. Use it when the user names the documents to "
+     "read; quote the passages you rely on.",
      [_QUERY, ("file_ids", _A, "The ids of the files to search, as returned by "
                "search_knowledge_files.", True), _COUNT]),
-    ("view_knowledge_file", "Return the full extracted text of one knowledge base file.",
+    ("view_knowledge_file", "Return the full extracted text of one knowledge base file. Very long files are cut "
+     "after about 100,000 characters.",
      [("file_id", _S, "The id of the file, as returned by search_knowledge_files.", True)]),
     ("list_files", "List the files the user uploaded, newest first, with their ids, names, "
-     "sizes and types.",
+     "sizes and types, and the conversations they were shared in.",
      [_COUNT, ("skip", _I, "How many files to skip, for paging.", False)]),
-    ("view_file", "Return the extracted text of one file the user uploaded.",
+    ("view_file", "Return the extracted text of one file the user uploaded. Images come back as a "
+     "description, spreadsheets as comma-separated rows.",
      [("file_id", _S, "The id of the file, as returned by list_files.", True)]),
     ("generate_image", "Create an image from a text description with the configured image "
      "model and show it in the chat. Use it only when the user asks for a picture. Describe "
@@ -152,13 +164,17 @@ _TOOLS: list[tuple[str, str, list[tuple[str, str, str, bool]]]] = [
      "sandbox has no network access. Print the values you need: only printed output and "
      "files written to the working directory come back. Each call starts a fresh process.",
      [("code", _S, "The complete Python program to run.", True)]),
-    ("search_prompts", "Search the user's saved prompt templates by command and title.",
+    ("search_prompts", "Search the user's saved prompt templates by command and title. Use it when the user "
+     "refers to a template they saved, e.g. 'my usual summary format'.",
      [_QUERY, _COUNT]),
-    ("view_prompt", "Return the text of one saved prompt template.",
+    ("view_prompt", "Return the text of one saved prompt template with its placeholders, so that it can be "
+     "filled in and followed.",
      [("command", _S, "The template's slash command, e.g. /summarize.", True)]),
     ("list_models", "List the models the user may chat with, with their ids and "
-     "descriptions.", []),
-    ("get_model_info", "Return one model's description, context length and capabilities.",
+     "descriptions. Use it when the user asks which models are available or which one "
+     "suits a task.", []),
+    ("get_model_info", "Return one model's description, context length and capabilities (vision, tools, "
+     "reasoning), and who may use it.",
      [("model_id", _S, "The id of the model, as returned by list_models.", True)]),
     ("send_notification", "Show a notification to the user outside the chat, for example "
      "when a long task has finished. Use it sparingly: only when the user asked to be told.",

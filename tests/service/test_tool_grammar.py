@@ -49,3 +49,17 @@ def test_after_one_call_only_eos_unless_parallel_calls(hf_tokenizer, choice):
     assert eos in after and len(after) > 1  # a newline may start the next call
     assert "one or more calls" in many.system_prompt()
     assert "one or more" not in one.system_prompt()
+
+
+def test_integers_without_bounds_get_fifteen_digits_at_most():
+    from service.engine.constraints.grammar import INTEGER_BOUND, close_objects
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "k": {"type": "integer", "minimum": 0},
+        "x": {"type": "number"}}}
+    out = close_objects(schema)
+    assert out["properties"]["n"] == {"type": "integer", "minimum": -INTEGER_BOUND,
+                                      "maximum": INTEGER_BOUND}
+    assert out["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": INTEGER_BOUND}
+    assert out["properties"]["x"] == {"type": "number"} and "minimum" not in schema["properties"]["n"]
+    assert len(str(INTEGER_BOUND)) == 15

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from protocol import InvalidRequest, SamplingParams
 
-__all__ = ["GrammarSource", "MAX_GRAMMAR_CHARS", "close_objects", "grammar_of_params",
+__all__ = ["GrammarSource", "INTEGER_BOUND", "MAX_GRAMMAR_CHARS", "close_objects", "grammar_of_params",
            "lark_string"]
 
 MAX_GRAMMAR_CHARS = 512 * 1024
@@ -36,10 +36,18 @@ class GrammarSource(NamedTuple):
     param: str
 
 
+INTEGER_BOUND = 10 ** 15 - 1
+"""An integer schema without bounds gets [-INTEGER_BOUND, INTEGER_BOUND]: at most 15
+digits (llama.cpp's JSON-schema grammars allow 16 for the same reason). Without it a small
+model may write digits until max_tokens (SmolLM2-135M at temperature 0.7 answered a
+`"limit": {"type": "integer"}` with a 1 and 90 zeros)."""
+
+
 def close_objects(schema: Any, depth: int = 0) -> Any:
     """`schema` with `"additionalProperties": false` on every object schema that lists
     `properties` and says nothing of others (OpenAI's strict mode asks clients to write
-    it; a small model otherwise invents properties, e.g. copies the schema's own keys).
+    it; a small model otherwise invents properties, e.g. copies the schema's own keys),
+    and `minimum` / `maximum` of +-INTEGER_BOUND on integer schemas that leave them out.
     Every output valid under the result is valid under `schema`: only what the schema left
     open is closed. A copy; `schema` is not changed."""
     if depth > 64:
@@ -53,6 +61,11 @@ def close_objects(schema: Any, depth: int = 0) -> Any:
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
             and "patternProperties" not in schema:
         out["additionalProperties"] = False
+    if schema.get("type") == "integer":
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -INTEGER_BOUND
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = INTEGER_BOUND
     return out
 
 
