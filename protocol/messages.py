@@ -27,6 +27,8 @@ from typing import Annotated, Literal, Union
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from protocol.structured import ResponseFormat, Structured, Tool, ToolCall, ToolCallDelta, ToolChoice
+
 PROTOCOL_VERSION = 1
 """The `protocol` number this package speaks (sent in `hello`)."""
 
@@ -55,7 +57,7 @@ vocabulary)."""
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH)]
 """A client-chosen request id: 1 to 128 characters (code points)."""
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
 ErrorCode = Literal[
     "invalid_request",
@@ -126,7 +128,14 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
             sampled, and stop strings are not looked for, before the completion has this
             many tokens (vLLM's); at most max_tokens.
 
-    Both come from the model's own distribution, log_softmax of the raw logits, before
+        response_format: None or `protocol.structured.ResponseFormat`: `json_object` or
+            `json_schema` constrains sampling token by token, so the completion parses
+            (and validates against the schema); `text` is no constraint.
+        structured: None or `protocol.structured.Structured`: a regex, a choice or a
+            grammar the completion must match; never together with a JSON
+            `response_format`.
+
+    Both logprobs come from the model's own distribution, log_softmax of the raw logits, before
     temperature and the top-k / top-p / min-p cuts (vLLM's default, "raw_logprobs";
     `service.worker.sampler.compute_logprobs`). They are served on the OpenAI HTTP
     routes and in-process; the WebSocket protocol (PROTOCOL.md) has no such fields and
@@ -154,6 +163,14 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
                           Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0
+    # structured output (issue 48): constraints on what may be sampled
+    response_format: ResponseFormat | None = None
+    structured: Structured | None = None
+
+    def __post_init__(self) -> None:
+        if self.structured is not None and self.response_format is not None and \
+                self.response_format.type != "text":
+            raise ValueError("structured and a JSON response_format cannot be used together")
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True, gc=False):
@@ -169,11 +186,19 @@ class TokenLogprob(Struct, frozen=True, array_like=True, gc=False):
     top: list[tuple[int, float]]
 
 
-class ChatMessage(Struct, frozen=True):
-    """One chat turn: `role` ("system", "user", "assistant", ...) and its `content`."""
+class ChatMessage(Struct, frozen=True, omit_defaults=True):
+    """One chat turn: `role` ("system", "user", "assistant", "tool", ...) and its `content`.
+
+    An assistant turn may carry the `tool_calls` it made (its content then may be None or
+    empty), a `tool` turn the `tool_call_id` it answers (and the function's `name`). The
+    engine reads None content as "".
+    """
 
     role: str
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class _Frame(Struct, tag_field="type", kw_only=True):
@@ -197,6 +222,9 @@ class Generate(_Frame, tag="generate", omit_defaults=True):
     prompt: str | None = None
     prompt_token_ids: list[TokenId] | None = None
     params: SamplingParams = SamplingParams()
+    # tool calling (issue 48): with `messages` only; tool_choice None is "auto" with tools
+    tools: Annotated[list[Tool], Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
 
     def __post_init__(self) -> None:
         given = (self.messages is not None) + (self.prompt is not None) + (
@@ -274,6 +302,7 @@ class Delta(_Frame, tag="delta", gc=False, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class Usage(Struct, kw_only=True, gc=False):
@@ -320,6 +349,7 @@ class Done(_Frame, tag="done"):
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class Error(_Frame, tag="error", omit_defaults=True):

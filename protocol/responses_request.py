@@ -8,7 +8,9 @@ What Conveyor serves is the text subset of the Responses create body:
   developer / assistant and `content` as a string or `input_text` / `output_text`
   parts; `developer` becomes a `system` turn), `instructions`, `max_output_tokens`,
   `temperature`, `top_p`, `previous_response_id`, `store`, `metadata`, `generate`,
-  `stream_id` (the WebSocket lane, echoed on the response's events);
+  `stream_id` (the WebSocket lane, echoed on the response's events), `text.format`
+  (`text`, `json_object`, or `json_schema` with `name` / `schema` / `strict`: structured
+  output, sampling constrained so the text parses and validates);
 - accepted without effect: `stream` (always streamed), `parallel_tool_calls`,
   `max_tool_calls` (no tools), and hints with no meaning here (`user`,
   `safety_identifier`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
@@ -16,7 +18,7 @@ What Conveyor serves is the text subset of the Responses create body:
   default values of the unsupported ones (`tools: []`, `include: []`, `tool_choice:
   "auto"`, `text: {"format": {"type": "text"}}`, `truncation: "disabled"`, ...);
 - refused with `unsupported_parameter` / `unsupported_value` naming the param: tools,
-  tool_choice, include, reasoning, text.format other than text, conversation, prompt,
+  tool_choice, include, reasoning, conversation, prompt,
   background, top_logprobs, context_management, moderation, truncation "auto", input
   items other than messages (function calls, reasoning, item references), and content
   parts other than text (images, files, audio);
@@ -102,6 +104,20 @@ class CreateRequest(Struct, kw_only=True):
     metadata: dict[str, str]
     generate: bool
     stream_id: str | None
+    response_format: dict[str, Any] | None = None
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """text.format as the engine's `response_format` (None for text): the Responses API
+    puts name / schema / strict beside `type`, chat completions under `json_schema`."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": spec}
 
 
 _decoder = msgspec.json.Decoder(dict[str, Any])
@@ -132,10 +148,10 @@ def _check_unsupported(body: dict[str, Any]) -> None:
     fmt = text.get("format") if isinstance(text, dict) else None
     if text is not None and not isinstance(text, dict):
         raise ResponsesError("text must be an object", param="text", code="invalid_type")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in
+                            ("text", "json_object", "json_schema")):
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _unsupported("text.format", f"text.format {kind!r} (structured outputs)",
-                           value=True)
+        raise _unsupported("text.format", f"text.format {kind!r}", value=True)
     for key in ("conversation", "prompt", "background_options", "moderation"):
         if get(key) is not None:
             raise _unsupported(key, key)
@@ -247,4 +263,4 @@ def _parse_create(body: dict[str, Any]) -> CreateRequest:
                          store=True if f.store is None else f.store,
                          metadata=dict(f.metadata or {}),
                          generate=True if f.generate is None else f.generate,
-                         stream_id=f.stream_id)
+                         stream_id=f.stream_id, response_format=_response_format(body))

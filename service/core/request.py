@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.messages import DEFAULT_MAX_TOKENS, SamplingParams, TokenLogprob
+from service.core.scheduler_output import TokenConstraint
 
 
 def uses_logits_processors(params: SamplingParams) -> bool:
@@ -84,6 +85,9 @@ class Request:
     # sampling step when the params ask for a logits processor that reads them (penalties,
     # logit_bias, min_tokens); None otherwise (set once, in __post_init__)
     token_history: tuple[list[int], list[int]] | None = None
+    # structured output / tool calls: the grammar state the runner masks this request's
+    # samples with (bound to output_token_ids, which is why that list is never replaced)
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         # Admission fills an unset max_tokens (the model's max_new_tokens, fitted to the

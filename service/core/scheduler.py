@@ -239,7 +239,7 @@ class Scheduler:
                     req.prompt_token_ids[-1]
                 st.sequences.append(ScheduledSequence(req.request_id, [last], start,
                                                       req.block_ids, True, req.params, None,
-                                                      req.token_history))
+                                                      req.token_history, req.constraint))
                 st.scheduled.add(req.request_id)
                 st.budget -= 1
                 continue
@@ -330,7 +330,8 @@ class Scheduler:
         samples = start + n == num_tokens
         st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
                                               samples, req.params, prompt,
-                                              req.token_history if samples else None))
+                                              req.token_history if samples else None,
+                                              req.constraint))
         st.scheduled.add(req.request_id)
         st.budget -= n
 

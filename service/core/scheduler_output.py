@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from protocol.messages import SamplingParams, TokenLogprob
+
+
+class TokenConstraint(Protocol):
+    """What the runner needs of a constrained request's grammar state (structured output,
+    tool calls): `service.worker.grammar_state.GrammarState` is the one kind. Opaque to the
+    core, which only carries it from the Request to the runner.
+
+    It follows the request's own output token list (bound when it was made), so it is
+    right after any step, preemption by recompute or swap included: `fill_mask` first
+    consumes the tokens accepted since its last call (or rolls back and replays when the
+    list got shorter), then writes which tokens may come next.
+    """
+
+    def fill_mask(self, ptr: int, nbytes: int) -> str | None:
+        """Write the next-token bitmask (int32 words, bit t%32 of word t//32 is token t)
+        into `nbytes` bytes at address `ptr`; return None, or why no token may follow."""
+        ...
 
 
 class ScheduledSequence(NamedTuple):
@@ -24,6 +41,8 @@ class ScheduledSequence(NamedTuple):
     token_history: (prompt, output so far) -- the request's own lists, read only -- on a
         sampling chunk of a request whose params ask for a logits processor (penalties,
         logit_bias, min_tokens), else None.
+    constraint: the request's grammar state when its output is constrained (structured
+        output, tool calls), else None: the runner masks the sampled row with it.
     """
 
     request_id: str
@@ -34,6 +53,7 @@ class ScheduledSequence(NamedTuple):
     params: SamplingParams
     prompt_token_ids: list[int] | None = None
     token_history: tuple[list[int], list[int]] | None = None
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(frozen=True)

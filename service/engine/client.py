@@ -55,6 +55,18 @@ class EngineRequest:
         generation prompt; the template cut after that message's content), vLLM's field.
     return_prompt_token_ids: the first Delta carries the prompt's token ids (the engine's
         tokenization; `stream.with_prompt_token_ids`).
+    tools: OpenAI's tool list (`protocol.structured.Tool`s or their dicts), with
+        `messages` (or with `prompt_token_ids` already rendered with them);
+        tool_choice: "none", "auto" (the default with tools), "required" or
+        `{"type": "function", "function": {"name": ...}}`. The output is then constrained
+        to a call or (auto) a plain answer, and calls come as `Delta.tool_calls`.
+    parallel_tool_calls: True: several calls may follow each other; False (the default,
+        as llama.cpp's server has it): exactly one call when the model calls (OpenAI's
+        `parallel_tool_calls`, which OpenAI defaults to true: one call is a valid answer
+        either way, and a small model given room for more may repeat its call until
+        max_tokens).
+    tool_style: how calls are written ("hermes", "llama", "generic"); None: what the
+        model's chat template uses (only a caller that rendered the prompt itself sets it).
     """
 
     messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None
@@ -67,6 +79,10 @@ class EngineRequest:
     connection_id: str | None = None
     continue_final_message: bool = False
     return_prompt_token_ids: bool = False
+    tools: Sequence[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = False
+    tool_style: str | None = None
 
     def resolved(self) -> EngineRequest:
         """This request with request_id, client_id and arrival_time filled in."""
@@ -154,13 +170,15 @@ class EngineClient(abc.ABC):
     async def generate(self, *, messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
                        prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                        params: SamplingParams | Mapping[str, Any] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
+                       request_id: str | None = None, tools: Sequence[Any] | None = None,
+                       tool_choice: Any = None) -> AsyncIterator[Event]:
         """Deltas of one request, then its Done (usage and timings); the fields are
         `EngineRequest`'s. Breaking out of the iteration aborts the request. Raises what
         add_request raises."""
         request = EngineRequest(messages=messages, prompt=prompt,
                                 prompt_token_ids=prompt_token_ids, params=params,
-                                request_id=request_id).resolved()
+                                request_id=request_id, tools=tools,
+                                tool_choice=tool_choice).resolved()
         stream = await self.open_stream(request)
         try:
             async for event in stream:

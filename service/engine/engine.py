@@ -32,6 +32,7 @@ from service.core.kv_cache_manager import PreemptionCost
 from service.core.request import Request
 from service.engine.admission import Admission
 from service.engine.client import EngineClient, EngineRequest
+from service.engine.constraints.tool_parser import ToolCallParser
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.faults import FaultPlan, FaultyPolicy, FaultyRunner
 from service.engine.metrics import EngineMetrics
@@ -40,6 +41,7 @@ from service.engine.sampling_defaults import (SamplingDefaults, load_sampling_de
                                               log_sampling_defaults)
 from service.engine.step_loop import StepLoop
 from service.engine.stream import Sink, with_prompt_token_ids
+from service.worker.grammar_state import GrammarState
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +111,8 @@ class Engine(EngineClient):
         self._admission = admission = Admission(
             runner.tokenizer, runner.vocab_size, runner.max_model_len,
             core.scheduler.pool.num_blocks, self.config.cache.block_size,
-            self.sampling_defaults, max_pending=self.config.scheduler.max_waiting_requests,
+            self.sampling_defaults, eos_token_ids=runner.eos_token_ids,
+            max_pending=self.config.scheduler.max_waiting_requests,
             retry_after_ms=self._retry_after_ms)
         # Render the chat template once now: its first use compiles it (tens of ms that
         # would otherwise land on the first request's TTFT).
@@ -287,7 +290,7 @@ class Engine(EngineClient):
         self._check_accepting(key, client_id)
         assert self._admission is not None and self._loop is not None, \
             "Engine.start() has not run"
-        ids, params = await self._admission.prepare(request)
+        ids, params, matcher, tool_format = await self._admission.prepare_full(request)
         # Again: the engine may have begun shutting down, or the id been taken, meanwhile.
         self._check_accepting(key, client_id)
         limit = self.config.scheduler.max_waiting_requests
@@ -296,11 +299,14 @@ class Engine(EngineClient):
                              retry_after_ms=self._retry_after_ms(), request_id=client_id)
         runner = self.runner
         req = Request(key, ids, params, runner.eos_token_ids, arrival_time=request.arrival_time)
+        if matcher is not None:  # structured output / tools: masks follow its output tokens
+            req.constraint = GrammarState(matcher, req.output_token_ids)
         detok = IncrementalDetokenizer(runner.tokenizer, ids, stop=params.stop,
                                        min_tokens=params.min_tokens)
         if request.return_prompt_token_ids:
             sink = with_prompt_token_ids(sink, ids)
-        self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok))
+        self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok,
+                                      ToolCallParser(tool_format) if tool_format else None))
         return len(ids)
 
     def _check_accepting(self, request_id: str, client_id: str) -> None:

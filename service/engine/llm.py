@@ -21,6 +21,7 @@ from service.core.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from service.core.engine_core import EngineCore
 from service.core.request import Request
 from service.engine.admission import Admission
+from service.worker.grammar_state import GrammarState
 from service.engine.client import EngineRequest
 from service.engine.sampling_defaults import load_sampling_defaults, log_sampling_defaults
 
@@ -82,7 +83,7 @@ class LLM:
         self._admission = Admission(
             runner.tokenizer, runner.vocab_size, runner.max_model_len,
             self.core.scheduler.pool.num_blocks, self.config.cache.block_size,
-            self.sampling_defaults, max_pending=1)
+            self.sampling_defaults, eos_token_ids=runner.eos_token_ids, max_pending=1)
         self._next_id = 0
 
     @property
@@ -118,13 +119,16 @@ class LLM:
         eos = self.runner.eos_token_ids
         reqs = []
         for i, (ids, p) in enumerate(zip(prompt_token_ids, plist)):
-            ids, p = self._admission.prepare_sync(EngineRequest(
+            ids, p, matcher, _ = self._admission.prepare_sync(EngineRequest(
                 prompt_token_ids=ids, params=p, client_id=f"prompt {i}"))
             for name in ("logprobs", "prompt_logprobs"):
                 if getattr(p, name) is not None:  # never asked for and silently dropped
                     raise InvalidRequest(f"LLM.generate returns token ids only; {name} are "
                                          f"served by Engine.generate", param=f"$.params.{name}")
-            reqs.append(Request(f"llm-{self._next_id}", ids, p, eos))
+            req = Request(f"llm-{self._next_id}", ids, p, eos)
+            if matcher is not None:  # response_format / structured: masked sampling
+                req.constraint = GrammarState(matcher, req.output_token_ids)
+            reqs.append(req)
             self._next_id += 1
         for req in reqs:
             self.core.add_request(req)

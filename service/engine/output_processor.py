@@ -18,6 +18,7 @@ from msgspec import UNSET
 from protocol import Delta, Done, InternalError, Timings, Usage
 from service.core.engine_core import EngineCore, RequestOutput
 from service.core.request import Request
+from service.engine.constraints.tool_parser import ToolCallParser
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.metrics import EngineMetrics
 from service.engine.stream import Sink
@@ -35,10 +36,10 @@ class LiveRequest:
     """Front-side state of one request between admission and its Done."""
 
     __slots__ = ("req", "client_id", "connection_id", "sink", "detok", "sent_tokens",
-                 "last_emit", "stop_string_hit")
+                 "last_emit", "stop_string_hit", "tools")
 
     def __init__(self, req: Request, client_id: str, connection_id: str | None, sink: Sink,
-                 detok: IncrementalDetokenizer) -> None:
+                 detok: IncrementalDetokenizer, tools: ToolCallParser | None = None) -> None:
         self.req = req
         self.client_id = client_id
         self.connection_id = connection_id
@@ -47,6 +48,7 @@ class LiveRequest:
         self.sent_tokens = 0  # token ids delivered so far (the next Delta's index)
         self.last_emit: float | None = None
         self.stop_string_hit = False
+        self.tools = tools  # a request with tools: its text -> tool-call pieces
 
 
 class OutputProcessor:
@@ -100,12 +102,20 @@ class OutputProcessor:
             reason = "stop"  # the stop string came with the last token allowed
         if reason is not None and reason != "error":
             text += live.detok.flush()
-        if out.new_token_ids or text or out.prompt_logprobs is not None:
+        calls = None
+        if live.tools is not None:  # the text of calls goes out as tool_calls pieces
+            text, calls = live.tools.feed(text)
+            if reason is not None and reason != "error":
+                more_text, last = live.tools.finish()
+                text, calls = text + more_text, calls + last
+                if reason == "stop" and live.tools.calls and not live.tools.partial:
+                    reason = "tool_calls"
+        if out.new_token_ids or text or calls or out.prompt_logprobs is not None:
             live.sink(Delta(id=live.client_id, index=live.sent_tokens, text=text,
                             token_ids=list(out.new_token_ids), logprobs=out.logprobs,
                             prompt_logprobs=out.prompt_logprobs,
                             prompt_token_ids=None if out.prompt_logprobs is None
-                            else list(live.req.prompt_token_ids)))
+                            else list(live.req.prompt_token_ids), tool_calls=calls or None))
             live.sent_tokens += len(out.new_token_ids)
         if reason is not None:
             self._done(live, reason, out.error)
@@ -156,5 +166,8 @@ class OutputProcessor:
                  cached_tokens=usage.cached_tokens, queue_ms=timings.queue_ms,
                  ttft_ms=timings.ttft_ms, tpot_ms=timings.tpot_ms, e2e_ms=timings.e2e_ms,
                  preemptions=timings.preemptions)
-        live.sink(Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
-                       usage=usage, timings=timings))
+        done = Done(id=live.client_id, finish_reason=reason,  # type: ignore[arg-type]
+                    usage=usage, timings=timings)
+        if live.tools is not None and live.tools.calls:
+            done.tool_calls = list(live.tools.calls)
+        live.sink(done)

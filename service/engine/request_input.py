@@ -27,19 +27,25 @@ the caller's whole prompt, template included.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from protocol import ChatMessage, InvalidRequest, SamplingParams
 from protocol.messages import TokenId
+from service.engine.constraints.tools import history_turns, template_tool_style
 
-__all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids"]
+if TYPE_CHECKING:
+    from service.engine.constraints.tools import ToolPlan
+
+__all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids",
+           "invalid_at"]
 
 
-def _invalid(e: msgspec.ValidationError, prefix: str, request_id: str | None) -> InvalidRequest:
+def invalid_at(e: msgspec.ValidationError, prefix: str, request_id: str | None) -> InvalidRequest:
     """msgspec's "... - at `$.temperature`" as an InvalidRequest at `prefix` + the path."""
     text = str(e)
     message, sep, where = text.rpartition(" - at `")
@@ -76,7 +82,7 @@ def coerce_params(params: SamplingParams | Mapping[str, Any] | None, *,
     try:
         return msgspec.convert(raw, SamplingParams)
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.params", request_id) from None
+        raise invalid_at(e, "$.params", request_id) from None
 
 
 def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
@@ -95,11 +101,18 @@ def coerce_messages(messages: Sequence[ChatMessage | Mapping[str, Any]], *,
     try:
         turns = msgspec.convert(raw, list[ChatMessage])
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.messages", request_id) from None
+        raise invalid_at(e, "$.messages", request_id) from None
     if not turns:
         raise InvalidRequest("messages must hold at least one turn", param="$.messages",
                              request_id=request_id)
-    return turns
+    for i, t in enumerate(turns):
+        if t.content is None and not (t.role == "assistant" and t.tool_calls):
+            raise InvalidRequest(f"$.messages[{i}]: a turn needs `content` (only an assistant "
+                                 "turn that calls tools may leave it out)",
+                                 param=f"$.messages[{i}]", request_id=request_id)
+    # None content (an assistant turn that only called tools) reads as ""
+    return [t if t.content is not None else msgspec.structs.replace(t, content="")
+            for t in turns]
 
 
 def coerce_token_ids(token_ids: Sequence[int], *, request_id: str | None = None) -> list[int]:
@@ -115,7 +128,7 @@ def coerce_token_ids(token_ids: Sequence[int], *, request_id: str | None = None)
     try:
         return msgspec.convert(list(token_ids), list[TokenId])
     except msgspec.ValidationError as e:
-        raise _invalid(e, "$.prompt_token_ids", request_id) from None
+        raise invalid_at(e, "$.prompt_token_ids", request_id) from None
 
 
 
@@ -162,6 +175,8 @@ class PromptTokenizer:
         except Exception:  # a tokenizer whose pieces cannot be decoded one by one
             longest = 0
         self.max_chars_per_token = max(longest, max(map(len, self._added_texts), default=0))
+        # how tools reach this template (service.engine.constraints.tools)
+        self.tool_style = template_tool_style(tokenizer)
 
     # ---- cheap checks, before any tokenizing --------------------------------------------
     def min_tokens(self, *, messages: Sequence[ChatMessage] | None = None,
@@ -178,15 +193,17 @@ class PromptTokenizer:
         if not self.max_chars_per_token:
             return 0
         chars = len(prompt) if prompt is not None else \
-            sum(len(m.content) for m in messages or ())
+            sum(len(m.content or "") for m in messages or ())
         return chars // (2 * self.max_chars_per_token)
 
     # ---- tokenizing ----------------------------------------------------------------------
     def __call__(self, *, messages: Sequence[ChatMessage] | None = None,
                  prompt: str | None = None, token_ids: Sequence[int] | None = None,
-                 request_id: str | None = None, continue_final: bool = False) -> list[int]:
+                 request_id: str | None = None, continue_final: bool = False,
+                 tools: ToolPlan | None = None) -> list[int]:
         """Token ids of exactly one of `messages` (chat template with the generation prompt
-        added), `prompt` (raw text, no template, special tokens parsed) or `token_ids`.
+        added; `tools` rendered by the template or in the system prompt, as the plan says),
+        `prompt` (raw text, no template, special tokens parsed) or `token_ids`.
         continue_final: the messages' template without a generation prompt, cut right
         after the last message's content, which the output then continues (vLLM's and
         transformers' `continue_final_message`).
@@ -213,14 +230,15 @@ class PromptTokenizer:
         else:
             assert messages is not None
             ids = self._chat(messages, request_id, add_generation_prompt=not continue_final,
-                             cut_after_last=continue_final)
+                             cut_after_last=continue_final, tools=tools)
             param = "$.messages"
         if not ids:
             raise InvalidRequest("the prompt has zero tokens", param=param, request_id=request_id)
         return ids
 
     def chat_ids(self, messages: Sequence[ChatMessage], *, after: int | None = None,
-                 add_generation_prompt: bool = True, request_id: str | None = None) -> list[int]:
+                 add_generation_prompt: bool = True, request_id: str | None = None,
+                 tools: ToolPlan | None = None) -> list[int]:
         """Token ids of the chat template over `messages`, tokenized as `__call__` does
         (contents as plain text). With `after=k`, only the ids of the text that follows the
         content of `messages[k]`: the continuation of a context that ends with that content
@@ -233,19 +251,26 @@ class PromptTokenizer:
         if after is not None and not 0 <= after < len(messages):
             raise ValueError(f"after must index messages (0..{len(messages) - 1}), got {after}")
         return self._chat(messages, request_id, after=after,
-                          add_generation_prompt=add_generation_prompt)
+                          add_generation_prompt=add_generation_prompt, tools=tools)
 
     def _chat(self, messages: Sequence[ChatMessage], request_id: str | None, *,
               after: int | None = None, add_generation_prompt: bool = True,
-              cut_after_last: bool = False) -> list[int]:
+              cut_after_last: bool = False, tools: ToolPlan | None = None) -> list[int]:
         for i, m in enumerate(messages):
             if m.role not in self.roles:
                 raise InvalidRequest(f"role {m.role[:64]!r} is not one this model's chat template "
                                      f"knows ({', '.join(sorted(self.roles))})",
                                      param=f"$.messages[{i}].role", request_id=request_id)
-        masked = self._render([{"role": m.role, "content": _placeholder(i)}
-                               for i, m in enumerate(messages)], request_id,
-                              add_generation_prompt)
+        # past tool calls and results in the template's style; the generic tool prompt in
+        # the system turn (a new first turn shifts the others by one)
+        turns = history_turns(messages, self.tool_style,
+                              tools.system_prompt() if tools is not None else None)
+        if after is not None:
+            after += len(turns) - len(messages)
+        template_tools = tools.template_tools() if tools is not None else None
+        self._check_scaffold(turns, template_tools, request_id)
+        masked = self._render([{**t, "content": _placeholder(i)} for i, t in enumerate(turns)],
+                              request_id, add_generation_prompt, template_tools)
         pieces = _PLACEHOLDER.split(masked)  # [scaffold, index, scaffold, index, ..., scaffold]
         # The real text, and the spans of the control tokens the template itself wrote:
         # only those become control tokens. E.g. pieces ["<|im_start|>user\n", "0",
@@ -257,10 +282,10 @@ class PromptTokenizer:
         for k, piece in enumerate(pieces):
             if k % 2:
                 index = int(piece)
-                piece = messages[index].content
+                piece = turns[index]["content"]
                 if index == after:
                     begin = offset + len(piece)
-                if index == len(messages) - 1:
+                if index == len(turns) - 1:
                     cut = offset + len(piece)
             elif self._added is not None:
                 controls += [(offset + m.start(), offset + m.end())
@@ -268,8 +293,7 @@ class PromptTokenizer:
             text.append(piece)
             offset += len(piece)
         real = "".join(text)
-        rendered = self._render([{"role": m.role, "content": m.content} for m in messages],
-                                request_id, add_generation_prompt)
+        rendered = self._render(turns, request_id, add_generation_prompt, template_tools)
         if cut_after_last:
             if cut is None:
                 raise InvalidRequest("continue_final_message: the chat template does not "
@@ -281,7 +305,7 @@ class PromptTokenizer:
             # The template rewrites contents (e.g. `| trim`): pieces cannot be told apart,
             # so refuse control-token text in any content rather than parse it.
             for i, m in enumerate(messages):
-                hit = next((s for s in self._added_texts if s in m.content), None)
+                hit = next((s for s in self._added_texts if s in (m.content or "")), None)
                 if hit is not None:
                     raise InvalidRequest(f"message content may not contain the control token "
                                          f"{hit!r} with this model's chat template",
@@ -308,9 +332,33 @@ class PromptTokenizer:
                     pos += 1
         return ids
 
-    def _render(self, turns: list[dict[str, str]], request_id: str | None,
-                add_generation_prompt: bool = True) -> str:
+    def _check_scaffold(self, turns: list[dict[str, Any]], tools: list[Any] | None,
+                        request_id: str | None) -> None:
+        """Tools and past calls that a native template writes itself are scaffold, not
+        placeholders: refuse control-token text in them (it would parse as the token)."""
+        if self._added is None:
+            return
+        if tools is not None:
+            hit = self._added.search(json.dumps(tools, ensure_ascii=False))
+            if hit is not None:
+                raise InvalidRequest(f"tools may not contain the control token {hit.group()!r}",
+                                     param="$.tools", request_id=request_id)
+        for i, t in enumerate(turns):
+            extra = {k: v for k, v in t.items() if k not in ("role", "content")}
+            if extra:
+                hit = self._added.search(json.dumps(extra, ensure_ascii=False))
+                if hit is not None:
+                    raise InvalidRequest(f"a tool call or result may not contain the control "
+                                         f"token {hit.group()!r}", param="$.messages",
+                                         request_id=request_id)
+
+    def _render(self, turns: list[dict[str, Any]], request_id: str | None,
+                add_generation_prompt: bool = True, tools: list[Any] | None = None) -> str:
         try:
+            if tools is not None:
+                return self.tokenizer.apply_chat_template(
+                    turns, tools=tools, tokenize=False,
+                    add_generation_prompt=add_generation_prompt)
             return self.tokenizer.apply_chat_template(
                 turns, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors: e.g. roles out of order for this template

@@ -45,6 +45,7 @@ from service.worker.logprob_rows import prompt_rows, sampled_logprobs, score_pro
 from service.worker.sampler import (GREEDY_EPS, build_sampling_tensors, check_sampling_params,
                                    greedy_tokens, make_generator, sample)
 from service.worker.section_timer import SectionTimer
+from service.worker.token_mask import apply_token_masks_, fill_token_masks
 from service.core.scheduler_output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -644,7 +645,15 @@ class ModelRunner:
             logits = logits[keep]
             if not sampling:
                 return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
-        logits, raw_logits = self._logits_processors(logits, sampling)
+        raw = logits  # logprobs are the model's own distribution, before any mask
+        if any(s.constraint is not None for s in sampling):
+            sampling, logits, raw = self._mask_constrained(sampling, logits, failed)
+            if not sampling:
+                return RunnerOutput({}, failed, prompt_logprobs=prompt_lps)
+        masked_copy = raw is not logits  # the mask's copy holds the rows as the model gave them
+        logits, processed_raw = self._logits_processors(logits, sampling)
+        if not masked_copy:
+            raw = processed_raw
         greedy = all(s.params.temperature is not None and s.params.temperature < GREEDY_EPS
                      for s in sampling)
         if greedy:  # no sampling tensors to build: one argmax a row
@@ -653,7 +662,7 @@ class ModelRunner:
             tensors = build_sampling_tensors([s.params for s in sampling], logits.device)
             token_tensor = sample(logits, *tensors, [self._generator(s) for s in sampling])
         tokens = token_tensor.tolist()
-        lps = sampled_logprobs(raw_logits, token_tensor, sampling)
+        lps = sampled_logprobs(raw, token_tensor, sampling)
         if tm is not None:
             tm.lap("sample")
         sampled = {}
@@ -699,6 +708,35 @@ class ModelRunner:
             ids = self._prompt_ids[seq.request_id] = torch.tensor(seq.token_history[0],
                                                                   dtype=torch.int64)
         return ids
+    def _mask_constrained(self, sampling: list[ScheduledSequence], logits: torch.Tensor,
+                          failed: dict[str, str]) -> tuple[list[ScheduledSequence],
+                                                           torch.Tensor, torch.Tensor]:
+        """Mask the constrained rows' logits (structured output, tool calls) in one batched
+        call (`service.worker.token_mask`); a row whose grammar cannot go on fails alone.
+
+        Returns (the rows still sampling, their logits [B', V] masked, the same rows
+        unmasked for logprobs). Only the constrained rows are read or written, plus a copy
+        of the logits when a constrained row asks for logprobs."""
+        idx = [i for i, s in enumerate(sampling) if s.constraint is not None]
+        masks, bad = fill_token_masks([sampling[i].constraint for i in idx],  # type: ignore[misc]
+                                      logits.shape[1])
+        if bad:
+            for j, why in bad.items():
+                failed[sampling[idx[j]].request_id] = f"structured output: {why}"
+            keep_c = [j for j in range(len(idx)) if j not in bad]
+            masks = masks[keep_c]
+            dropped = {idx[j] for j in bad}
+            keep = [i for i in range(len(sampling)) if i not in dropped]
+            position = {old: new for new, old in enumerate(keep)}
+            idx = [position[idx[j]] for j in keep_c]
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep]
+        raw = logits
+        if any(sampling[i].params.logprobs is not None for i in idx):
+            raw = logits.clone()
+        rows = None if len(idx) == len(sampling) else torch.tensor(idx, device=logits.device)
+        apply_token_masks_(logits, rows, masks)
+        return sampling, logits, raw
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
         """The request's own generator when it has a seed (made on its first sample)."""

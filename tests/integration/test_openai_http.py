@@ -220,9 +220,9 @@ BAD = [
     ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "always"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"a": 2}}, "logit_bias"),
     ({"logit_bias": {"1": 200}}, "logit_bias"),
     ({"frobnicate": 1}, "frobnicate"),
@@ -236,7 +236,7 @@ BAD = [
      "messages[1].tool_call_id"),
     ({"messages": [*QUESTION, {"role": "assistant", "content": None,
                                "tool_calls": [{"id": "t1", "type": "function"}]}]},
-     "messages[1].tool_calls"),
+     "messages[1].tool_calls[0]"),
 ]
 
 

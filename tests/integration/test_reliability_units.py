@@ -95,6 +95,41 @@ async def test_outbox_merges_logprobs_with_their_tokens() -> None:
     assert b.logprobs is None and b.prompt_logprobs is None
 
 
+async def test_outbox_keeps_and_merges_tool_call_pieces() -> None:
+    """A delta's tool-call pieces survive the outbox, alone or merged: the arguments'
+    concatenation is the call's text (PROTOCOL.md, `done`)."""
+    from protocol.structured import FunctionCallDelta, ToolCallDelta
+
+    def piece(i: int, args: str, name: str | None = None) -> ToolCallDelta:
+        return ToolCallDelta(index=i, id=f"call_{i}" if name else None,
+                             type="function" if name else None,
+                             function=FunctionCallDelta(name=name, arguments=args))
+
+    box, sock = Outbox(), _GatedSocket()
+    box.put(Delta(id="a", index=0, text="", token_ids=[1], tool_calls=[piece(0, "", "f")]))
+    box.put(Delta(id="a", index=1, text="", token_ids=[2], tool_calls=[piece(0, '{"x": ')]))
+    box.put(Delta(id="a", index=2, text="", token_ids=[3], tool_calls=[piece(0, "1}")]))
+    box.put(Delta(id="a", index=3, text="", token_ids=[4],
+                  tool_calls=[piece(1, "", "g"), piece(1, "{}")]))
+    box.put(_delta("b", 0, "z", 9))
+    before = box.pending_bytes
+    sock.gate.set()
+    task = await _run_until_sent(box, sock, 2)
+    task.cancel()
+    a, b = sock.sent
+    assert a.token_ids == [1, 2, 3, 4] and b.tool_calls is None
+    assert [(p.index, p.id, p.function.name, p.function.arguments) for p in a.tool_calls] == [
+        (0, "call_0", "f", '{"x": 1}'), (1, "call_1", "g", "{}")]
+    assert before > 0 and box.pending_bytes == 0
+    # a delta sent on its own keeps its pieces too
+    box, sock = Outbox(), _GatedSocket()
+    box.put(Delta(id="c", index=0, text="", token_ids=[5], tool_calls=[piece(0, "{}", "h")]))
+    sock.gate.set()
+    task = await _run_until_sent(box, sock, 1)
+    task.cancel()
+    assert sock.sent[0].tool_calls[0].function.arguments == "{}"
+
+
 async def test_outbox_never_merges_across_a_frame_of_the_same_request() -> None:
     box, sock = Outbox(), _GatedSocket()
     box.put(_delta("a", 0, "x", 1))

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from protocol import (
+    InvalidRequest,
     Accepted,
     Cancel,
     ChatMessage,
@@ -201,6 +202,9 @@ def test_sampling_params_defaults_are_the_protocol_table() -> None:
         "repetition_penalty": None,
         "logit_bias": None,
         "min_tokens": 0,
+        # PROTOCOL.md's structured output (issue 48): no constraint by default
+        "response_format": None,
+        "structured": None,
     }
 
 
@@ -221,6 +225,25 @@ def test_logit_bias_decodes_from_string_keys_and_is_range_checked() -> None:
             decode_client_frame(json.dumps({"type": "generate", "id": "a", "prompt": "x",
                                             "params": {name: value}}))
         assert e.value.param == f"$.params.{name}"
+
+
+def test_structured_params_decode_and_refuse_bad_shapes() -> None:
+    msg = decode_client_frame('{"type": "generate", "id": "a", "messages": [{"role": "user", '
+                              '"content": "x"}], "params": {"response_format": {"type": '
+                              '"json_schema", "json_schema": {"name": "p", "schema": '
+                              '{"type": "object"}}}}, "tools": [{"type": "function", '
+                              '"function": {"name": "f"}}], "tool_choice": "required"}')
+    assert msg.params.response_format.json_schema.schema == {"type": "object"}
+    assert msg.tools[0].function.name == "f" and msg.tool_choice == "required"
+    for params, path in (('{"structured": {"regex": "a", "choice": ["b"]}}', "$.params.structured"),
+                         ('{"structured": {}}', "$.params.structured"),
+                         ('{"response_format": {"type": "json_schema"}}', "$.params.response_format"),
+                         ('{"response_format": {"type": "json_object"}, "structured": '
+                          '{"regex": "a"}}', "$.params")):
+        with pytest.raises(InvalidRequest) as e:
+            decode_client_frame('{"type": "generate", "id": "a", "prompt": "x", "params": '
+                                + params + "}")
+        assert e.value.param == path, (params, e.value.param)
 
 
 def test_sampling_params_are_frozen_and_hashable() -> None:

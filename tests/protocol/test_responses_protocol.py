@@ -52,8 +52,7 @@ def test_what_the_agents_sdk_sends_with_no_tools_is_accepted() -> None:
 @pytest.mark.parametrize("fields, code, param", [
     ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
     ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
-     "unsupported_value", "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "unsupported_value", "text.format"),
     ({"reasoning": {"effort": "high"}}, "unsupported_parameter", "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "unsupported_parameter", "include"),
     ({"background": True}, "unsupported_parameter", "background"),
@@ -107,3 +106,14 @@ def test_the_sdk_create_event_parses() -> None:
     req = parse_client_frame(sdk.to_json(exclude_unset=True))
     assert (req.previous_response_id, req.max_output_tokens, req.top_p, req.stream_id) == \
         ("r", 8, 0.5, "s")
+
+
+def test_text_format_becomes_the_engines_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_client_frame(create(model="m", input="Hi", text={"format": {
+        "type": "json_schema", "name": "thing", "schema": schema, "strict": True}}))
+    assert req.response_format == {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": schema, "strict": True}}
+    req = parse_client_frame(create(model="m", input="Hi", text={"format": {"type": "json_object"}}))
+    assert req.response_format == {"type": "json_object"}
+    assert parse_client_frame(create(model="m", input="Hi")).response_format is None

@@ -12,19 +12,19 @@ Served (OpenAI's names; the engine checks every value's range as the wire does):
     chat:  messages (role system / developer (sent as system) / user / assistant / tool,
            content a string or a list of {"type": "text", "text"} parts; a tool message's
            tool_call_id is accepted, the content alone rendered),
-           max_completion_tokens, response_format {"type": "text"}, empty tools,
-           tool_choice "none", parallel_tool_calls; vLLM's echo (the last message's
-           content before the answer when it is the assistant's), continue_final_message
-           and add_generation_prompt (not both true)
+           max_completion_tokens, tools, tool_choice, parallel_tool_calls (assistant turns
+           may carry `tool_calls`, tool turns `tool_call_id`; `service.front.openai.structured`);
+           vLLM's echo (the last message's content before the answer when it is the
+           assistant's), continue_final_message and add_generation_prompt (not both true)
+    structured output (both): response_format, vLLM's structured_outputs and guided_*
     completions: prompt (a string, a list of strings, token ids, a list of token-id
            lists; each prompt gets n choices), echo, best_of (= n)
     logprobs: chat `logprobs` (a boolean) + `top_logprobs` (0..20, needs logprobs);
            completions `logprobs` (an integer 0..20; OpenAI's own cap is 5, vLLM's 20),
            with `echo` the prompt tokens' too (lm-eval's loglikelihood requests). Values
            are the model's raw distribution (`protocol.SamplingParams`).
-Refused with 400 naming the field: tools,
-functions, tool_choice other than "none", response_format other than text,
-suffix, audio, modalities, prediction, web_search_options, and any unknown field.
+Refused with 400 naming the field: functions, function_call, suffix, audio, modalities,
+prediction, web_search_options, and any unknown field.
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ from typing import Any
 
 from protocol.messages import MAX_LOGPROBS
 from service.front.openai.errors import OpenAIError, bad
+from service.front.openai.structured import STRUCTURED_FIELDS, TOOL_FIELDS, structured_fields, tool_fields
 
 MAX_N = 16
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user", "stream",
            "stream_options", "top_k", "min_p", "ignore_eos", "priority", "stop_token_ids",
            "presence_penalty", "frequency_penalty", "logprobs", "metadata", "store",
            "service_tier", "repetition_penalty", "logit_bias", "min_tokens",
-           "prompt_logprobs", "return_token_ids"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "response_format", "tools",
-                   "tool_choice", "parallel_tool_calls", "top_logprobs", "echo",
-                   "continue_final_message", "add_generation_prompt"}
+           "prompt_logprobs", "return_token_ids"} | STRUCTURED_FIELDS
+_CHAT = _COMMON | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "echo",
+                                 "continue_final_message", "add_generation_prompt"}
 _COMPLETIONS = _COMMON | {"prompt", "echo", "best_of"}
 _UNSUPPORTED = {"functions", "function_call", "suffix", "audio", "modalities",
                 "prediction", "web_search_options", "reasoning_effort", "verbosity"}
@@ -254,43 +254,55 @@ def chat_plan(body: Any, served_model: str) -> Plan:
     if want:
         params["logprobs"] = top or 0
         renames["logprobs"] = "top_logprobs"
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is served",
-                  "unsupported_value")
-    if body.get("tools"):
-        raise bad("tools", "tools are not supported by this server", "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad("tool_choice", "tool_choice is not supported (only \"none\")",
-                  "unsupported_value")
+    structured_fields(body, params, renames)
+    tools = tool_fields(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list", "invalid_type"
                   if messages is not None else "missing_required_parameter")
-    turns = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, "each message must be an object", "invalid_type")
-        extra = set(m) - {"role", "content", "name"}
-        if m.get("role") == "tool":  # the call it answers: the template renders the content
-            extra.discard("tool_call_id")
-            if not isinstance(m.get("tool_call_id", ""), str):
-                raise bad(f"{where}.tool_call_id", "tool_call_id must be a string",
-                          "invalid_type")
-        if extra:
-            key = sorted(extra)[0]
-            raise bad(f"{where}.{key}", f"{key} is not supported in messages",
-                      "unsupported_parameter")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad(f"{where}.role", f"unknown role {role!r}")
-        turns.append({"role": _ROLES[role], "content": _content(m.get("content"), where)})
-    return Plan("chat", [{"messages": turns}], params, n, stream, include_usage, echo,
+    turns = [_turn(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    return Plan("chat", [{"messages": turns, **tools}], params, n, stream, include_usage, echo,
                 renames=renames, continuous_usage=continuous,
                 return_prompt_logprobs="prompt_logprobs" in params,
                 return_token_ids=bool(body.get("return_token_ids")),
                 continue_final_message=cont)
+
+
+def _turn(m: Any, where: str) -> dict[str, Any]:
+    """One chat message as the engine's turn: role, content (text parts joined), and an
+    assistant's `tool_calls` / a tool result's `tool_call_id` and `name`."""
+    if not isinstance(m, dict):
+        raise bad(where, "each message must be an object", "invalid_type")
+    role = m.get("role")
+    allowed = {"role", "content", "name"}
+    if role == "assistant":
+        allowed |= {"tool_calls", "refusal"}
+    if role == "tool":
+        allowed.add("tool_call_id")
+    extra = set(m) - allowed
+    if extra:
+        key = sorted(extra)[0]
+        raise bad(f"{where}.{key}", f"{key} is not supported in messages",
+                  "unsupported_parameter")
+    if role not in _ROLES:
+        raise bad(f"{where}.role", f"unknown role {role!r}")
+    turn: dict[str, Any] = {"role": _ROLES[role]}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise bad(f"{where}.tool_calls", "tool_calls must be a list", "invalid_type")
+        turn["tool_calls"] = calls
+    content = m.get("content")
+    turn["content"] = "" if content is None and (calls or role == "assistant") \
+        else _content(content, where)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id", ""), str):
+            raise bad(f"{where}.tool_call_id", "tool_call_id must be a string", "invalid_type")
+        if m.get("tool_call_id") is not None:
+            turn["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            turn["name"] = m["name"]
+    return turn
 
 
 def _is_ids(x: Any) -> bool:
@@ -305,6 +317,8 @@ def completion_plan(body: Any, served_model: str) -> Plan:
     params: dict[str, Any] = {}
     n, stream, include_usage, continuous = _common(body, params, {})
     asked_prompt_logprobs = "prompt_logprobs" in params
+    renames = {} if asked_prompt_logprobs else {"prompt_logprobs": "logprobs"}
+    structured_fields(body, params, renames)
     best_of = _type(body, "best_of", int, "an integer")
     if best_of is not None and best_of != n:
         raise bad("best_of", "best_of is only served equal to n", "unsupported_value")
@@ -332,6 +346,6 @@ def completion_plan(body: Any, served_model: str) -> Plan:
     if len(prompts) * n > 4 * MAX_N:
         raise bad("prompt", f"at most {4 * MAX_N} choices (prompts x n) per request")
     return Plan("completion", prompts, params, n, stream, include_usage, echo,
-                renames={} if asked_prompt_logprobs else {"prompt_logprobs": "logprobs"},
-                continuous_usage=continuous, return_prompt_logprobs=asked_prompt_logprobs,
+                renames=renames, continuous_usage=continuous,
+                return_prompt_logprobs=asked_prompt_logprobs,
                 return_token_ids=bool(body.get("return_token_ids")))

@@ -28,7 +28,18 @@ from service.front.openai.request import Plan
 
 log = structlog.get_logger(__name__)
 _encode = msgspec.json.Encoder().encode
-FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "abort",
+          "error": "error"}
+
+
+def _call_piece(part: Any) -> dict[str, Any]:
+    """A `protocol.structured.ToolCallDelta` as OpenAI's chunk `tool_calls` entry."""
+    piece: dict[str, Any] = {"index": part.index, "function": {"arguments": part.function.arguments}}
+    if part.id is not None:
+        piece["id"] = part.id
+        piece["type"] = "function"
+        piece["function"]["name"] = part.function.name
+    return piece
 
 
 def new_run_id(kind_id: str) -> str:
@@ -51,6 +62,7 @@ class Run:
         self.finished: set[int] = set()
         self.done: dict[int, Done] = {}
         self.texts: dict[int, list[str]] = {}
+        self.calls: dict[int, list[Any]] = {}  # complete tool calls per choice (from Done)
         self.queue: asyncio.Queue[tuple[int, Delta | Error | Done]] = asyncio.Queue()
         self.error: OpenAIError | None = None
         # logprobs (when the plan asks): per choice, the scored ids and their scores
@@ -186,13 +198,16 @@ class Run:
         return "text_completion"
 
     def _choice(self, i: int, text: str | None, finish: str | None, first: bool = False,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None = None,
+                tool_calls: list[Any] | None = None) -> dict[str, Any]:
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [_call_piece(p) for p in tool_calls]
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
@@ -276,6 +291,9 @@ class Run:
                                                             event.prompt_token_ids)):
                         yield self._ids_chunk(i, self._choice(i, event.text, None,
                                                               logprobs=scores), event)
+                    if event.tool_calls:
+                        yield self._chunk([self._choice(i, None, None,
+                                                        tool_calls=event.tool_calls)])
                 elif isinstance(event, Done) and event.finish_reason != "error":
                     yield self._chunk([self._choice(i, None if self.plan.kind == "chat"
                                                     else "", FINISH[event.finish_reason])])
@@ -298,6 +316,8 @@ class Run:
                     self._score(i, event)
                 elif isinstance(event, Done) and event.finish_reason == "error":
                     self.abort()
+                elif isinstance(event, Done) and event.tool_calls:
+                    self.calls[i] = event.tool_calls
         finally:
             self.abort()
         if self.error is not None:
@@ -310,8 +330,12 @@ class Run:
             if self.plan.echo:
                 text = self.echo_text(i) + text
             if self.plan.kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "logprobs": scores, "finish_reason": finish}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if i in self.calls:  # OpenAI: content null beside calls when there is none
+                    message["content"] = text or None
+                    message["tool_calls"] = [msgspec.to_builtins(c) for c in self.calls[i]]
+                choice = {"index": i, "message": message, "logprobs": scores,
+                          "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text, "logprobs": scores,
                           "finish_reason": finish}

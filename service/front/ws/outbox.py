@@ -3,7 +3,7 @@
 Events are queued without blocking; one writer task sends them in order. While the
 socket is slow (its transport buffer above websockets' `write_limit`, so `send`
 waits), a request's newer delta is merged into its delta still waiting to be sent
-(text and token ids appended): a slow reader gets fewer, larger frames and loses
+(text, token ids and tool-call pieces appended): a slow reader gets fewer, larger frames and loses
 nothing. A reader that falls more than `max_bytes` behind overflows the outbox: it
 drops everything queued, refuses further frames, and calls `on_overflow` once (the
 connection then closes the socket with 1008 and cancels its requests).
@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 
 from protocol import Delta, encode
+from protocol.structured import FunctionCallDelta, ToolCallDelta
 
 DELTA_OVERHEAD_BYTES = 64
 """Estimated JSON bytes of a delta frame besides its text and token ids."""
@@ -34,8 +35,34 @@ TOKEN_ID_BYTES = 8
 """Estimated JSON bytes per token id (up to 6 digits and a comma)."""
 
 
-def _delta_bytes(text: str, token_ids: list[int]) -> int:
-    return len(text.encode("utf-8", "surrogatepass")) + TOKEN_ID_BYTES * len(token_ids)
+def _delta_bytes(msg: Delta) -> int:
+    n = len(msg.text.encode("utf-8", "surrogatepass")) + TOKEN_ID_BYTES * len(msg.token_ids)
+    for piece in msg.tool_calls or ():  # additive under `_merge_tool_calls`
+        n += len(piece.function.arguments.encode("utf-8", "surrogatepass")) \
+            + len(piece.function.name or "") + len(piece.id or "")
+    return n
+
+
+def _merge_tool_calls(waiting: list[ToolCallDelta] | None,
+                      later: list[ToolCallDelta] | None) -> list[ToolCallDelta] | None:
+    """`waiting`'s tool-call pieces followed by `later`'s; a piece that continues the last
+    waiting piece's call (same `index`, no `id`) is joined to it (its `arguments`
+    appended), so the merged frame carries each call's text once, in order."""
+    if not later:
+        return waiting
+    out = list(waiting or ())
+    for piece in later:
+        last = out[-1] if out else None
+        if last is not None and last.index == piece.index and piece.id is None \
+                and piece.function.name is None:
+            out[-1] = ToolCallDelta(index=last.index, id=last.id, type=last.type,
+                                    function=FunctionCallDelta(
+                                        name=last.function.name,
+                                        arguments=last.function.arguments
+                                        + piece.function.arguments))
+        else:
+            out.append(piece)
+    return out
 
 
 class Appendable(Protocol):
@@ -93,19 +120,21 @@ class Outbox:
         if self.closed:
             return False
         if isinstance(msg, Delta):
-            size = _delta_bytes(msg.text, msg.token_ids)
+            size = _delta_bytes(msg)
             waiting = self._unsent_delta.get(msg.id)
             if waiting is not None:
                 waiting.text += msg.text
                 waiting.token_ids.extend(msg.token_ids)
                 if msg.logprobs:
                     waiting.logprobs = (waiting.logprobs or []) + msg.logprobs
+                waiting.tool_calls = _merge_tool_calls(waiting.tool_calls, msg.tool_calls)
                 self.merged_deltas += 1
                 self._grow(size)
                 return False
             msg = Delta(id=msg.id, index=msg.index, text=msg.text, token_ids=list(msg.token_ids),
                         logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs,
-                        prompt_token_ids=msg.prompt_token_ids)
+                        prompt_token_ids=msg.prompt_token_ids,
+                        tool_calls=list(msg.tool_calls) if msg.tool_calls else None)
             self._unsent_delta[msg.id] = msg
             self._queue.append(msg)
             self._grow(size + DELTA_OVERHEAD_BYTES)
@@ -171,8 +200,7 @@ class Outbox:
             if isinstance(item, Delta):
                 if self._unsent_delta.get(item.id) is item:
                     del self._unsent_delta[item.id]
-                self.pending_bytes -= _delta_bytes(item.text, item.token_ids) \
-                    + DELTA_OVERHEAD_BYTES
+                self.pending_bytes -= _delta_bytes(item) + DELTA_OVERHEAD_BYTES
                 data = encode(item)
             elif not isinstance(item, bytes):  # an Appendable frame: encoded as it leaves
                 self.pending_bytes -= item.pending_bytes()

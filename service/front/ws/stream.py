@@ -121,7 +121,8 @@ class Connection(SocketActor):
             n = await self.engine.add_request(EngineRequest(
                 messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
                 params=msg.params, request_id=self._key(client_id), client_id=client_id,
-                arrival_time=received, connection_id=self.conn_id), sink)
+                arrival_time=received, connection_id=self.conn_id, tools=msg.tools,
+                tool_choice=msg.tool_choice), sink)
         except ProtocolError as e:
             self.in_flight.discard(client_id)
             self._refused(e)

@@ -60,7 +60,7 @@ def from_protocol_error(e: ProtocolError, req: CreateRequest) -> ResponsesError:
         if param == "max_output_tokens":  # the engine names its own field
             message = message.replace("max_tokens (", "max_output_tokens (")
     elif isinstance(e, InvalidRequest) and e.param:
-        param = "input"
+        param = "text.format" if e.param.startswith("$.params.response_format") else "input"
     code = "server_error" if e.code == "internal_error" else e.code
     if isinstance(e, InvalidRequest):
         code = "invalid_value"
@@ -158,6 +158,8 @@ class ResponsesConnection(SocketActor):
             max_tokens = req.max_output_tokens if req.generate else 1
             params = {"max_tokens": max_tokens, "temperature": req.temperature,
                       "top_p": req.top_p}
+            if req.response_format is not None and req.generate:
+                params["response_format"] = req.response_format
             await self.engine.add_request(EngineRequest(
                 prompt_token_ids=ids, params=params, request_id=self._key(run.id),
                 client_id=run.id, arrival_time=received, connection_id=self.conn_id),
