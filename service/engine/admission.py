@@ -264,7 +264,8 @@ class Admission:
             if n >= self.room:
                 self._no_room(f"the prompt ({n} tokens)", request, client_id)
             params = msgspec.structs.replace(
-                params, max_tokens=self.defaults.output_limit(n, self.room))
+                params, max_tokens=self.defaults.output_limit(n, self.room,
+                                                              request.default_max_tokens))
             if params.min_tokens > params.max_tokens:
                 raise InvalidRequest(
                     f"min_tokens ({params.min_tokens}) is more than the room the context "

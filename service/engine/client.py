@@ -55,6 +55,9 @@ class EngineRequest:
         generation prompt; the template cut after that message's content), vLLM's field.
     return_prompt_token_ids: the first Delta carries the prompt's token ids (the engine's
         tokenization; `stream.with_prompt_token_ids`).
+    default_max_tokens: the route's own cap on an unset max_tokens where the generation
+        config sets no max_new_tokens (PROTOCOL.md's 256 on /v1/stream); None: the room the
+        context leaves (vLLM's rule, the OpenAI routes).
     tools: OpenAI's tool list (`protocol.structured.Tool`s or their dicts), with
         `messages` (or with `prompt_token_ids` already rendered with them);
         tool_choice: "none", "auto" (the default with tools), "required" or
@@ -79,6 +82,7 @@ class EngineRequest:
     connection_id: str | None = None
     continue_final_message: bool = False
     return_prompt_token_ids: bool = False
+    default_max_tokens: int | None = None
     tools: Sequence[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = False

@@ -85,12 +85,14 @@ class SamplingDefaults:
             raise ValueError(f"sampling defaults from {self.source}: "
                              f"{str(e).replace('max_tokens', LIMIT_KEY)}") from None
 
-    def output_limit(self, prompt_tokens: int, room: int) -> int:
+    def output_limit(self, prompt_tokens: int, room: int, route_cap: int | None = None) -> int:
         """The max_tokens of a request that sets none: what `room` (tokens: the context,
         or the KV cache if smaller) leaves after `prompt_tokens` (at least 1; vLLM's
-        rule), capped by max_new_tokens where the generation config sets one."""
+        rule), capped by max_new_tokens where the generation config sets one, else by the
+        route's own default (`route_cap`: PROTOCOL.md's 256 on /v1/stream) where given."""
         left = max(1, room - prompt_tokens)
-        return left if self.max_new_tokens is None else min(self.max_new_tokens, left)
+        cap = self.max_new_tokens if self.max_new_tokens is not None else route_cap
+        return left if cap is None else min(cap, left)
 
     def warnings(self) -> list[str]:
         """What a start-up log should warn of in these defaults (e.g. top_k 1: greedy)."""

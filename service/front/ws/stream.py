@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from protocol import (PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
+from protocol import (DEFAULT_MAX_TOKENS, PROTOCOL_VERSION, Accepted, Cancel, Done, DuplicateId, Generate, Hello,
                       InternalError, InvalidRequest, Ping, Pong, ProtocolError, TooManyRequests,
                       decode_client_frame)
 from service.engine.client import EngineRequest
@@ -122,7 +122,7 @@ class Connection(SocketActor):
                 messages=msg.messages, prompt=msg.prompt, prompt_token_ids=msg.prompt_token_ids,
                 params=msg.params, request_id=self._key(client_id), client_id=client_id,
                 arrival_time=received, connection_id=self.conn_id, tools=msg.tools,
-                tool_choice=msg.tool_choice), sink)
+                tool_choice=msg.tool_choice, default_max_tokens=DEFAULT_MAX_TOKENS), sink)
         except ProtocolError as e:
             self.in_flight.discard(client_id)
             self._refused(e)
