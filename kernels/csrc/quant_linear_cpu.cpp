@@ -1336,10 +1336,10 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
 // sums: about 1.5x slower; 8 x 2, 12 x 1 and 3 x 4 measured within a few percent of these).
 // Measured on Zen 4 (2 threads, a step's 120 q4_1 layers streamed from memory, then the
 // [49152 x 576] q8_0 LM head; this build against tile16's in one process, alternating;
-// docs/perf/2026-12-05/vnni-tiles-s24): layers 1.19x faster at 2 rows, 1.39x at 4,
+// docs/perf/2026-12-05/vnni-tiles): layers 1.19x faster at 2 rows, 1.39x at 4,
 // 1.37-1.39x at 8 and 10, 1.27x at 16, 1.22x at 64; the LM head 1.24-1.67x at 2 to 64
 // rows. On that core a zmm vpdpwssd retires about one a cycle (3.66 G/s on one core: 117 G
-// int16 multiply-adds/s; docs/perf/2026-12-05/busd-tiles-s26), and these tiles reach about
+// int16 multiply-adds/s; docs/perf/2026-12-05/busd-tiles), and these tiles reach about
 // two thirds of that (one thread: 66% on [3072 x 576] at 512 rows, 68% on [576 x 1536] at
 // 64): the group's float steps (four multiply-pipe instructions a row per 16 vpdpwssd) and
 // the unpacking take the rest. A vpdpbusd tile that unpacks far less (that folder's patch)

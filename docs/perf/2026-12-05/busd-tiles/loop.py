@@ -1,4 +1,4 @@
-"""Session 26 harness: one q4_1 x int16 linear call again and again, from one build.
+"""The harness of 2026-12-05 (commit 521596e): one q4_1 x int16 linear call again and again, from one build.
 
 usage: loop.py LIB.so N K M SECONDS [THREADS]   prints us a call and G multiply-adds/s"""
 import ctypes

@@ -1,4 +1,4 @@
-"""Session 24 harness (results.txt here says how it was run): two builds of
+"""The harness of 2026-12-05 (commit 8798a95; results.txt here says how it was run): two builds of
 kernels/csrc/quant_linear_cpu.cpp in one process, alternating each repetition, medians.
 
 usage: ab.py A.so B.so ROWS [REPS]         a step's 120 q4_1x16 layers streamed, then the
