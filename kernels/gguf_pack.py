@@ -105,7 +105,7 @@ def pack_gguf(parts: Sequence[tuple[str, torch.Tensor]],
         part has the same K (input features). Output rows are the parts' rows in order.
     bias: [sum N_i] float or None.
 
-    native: pack the block formats in one C++ pass (``kernels.gguf_pack_cpu``, 30-50 times
+    native: pack the block formats in one C++ pass (``kernels.gguf_pack_cpu``, 25-70 times
     faster) where it builds; False, or no compiler: this module's numpy path, the reference
     (the tests hold the two equal).
     allocate: where the native path's packed tensors live (``kernels.gguf_pack_cpu``).

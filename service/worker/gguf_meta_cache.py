@@ -49,15 +49,14 @@ def meta_dir(path: str) -> Path:
     return cache_dir().parent / "gguf-meta" / key
 
 
-def config_and_tokenizer(path: str, folder: str, kw: dict[str, Any],
-                         use_cache: bool = True) -> tuple[Any, Any, bool]:
+def config_and_tokenizer(path: str, folder: str, kw: dict[str, Any]) -> tuple[Any, Any, bool]:
     """(config, tokenizer, whether they came from the cache) of the GGUF file at `path`
     (``folder`` and ``kw``: its folder and ``{"gguf_file": name}`` as transformers takes
     them). Raises what transformers raises for a file it cannot read."""
     from transformers import AutoConfig, AutoTokenizer
 
-    where = meta_dir(path) if use_cache else None
-    if where is not None and (where / DONE).exists():
+    where = meta_dir(path)
+    if (where / DONE).exists():
         try:
             config = AutoConfig.from_pretrained(where, local_files_only=True)
             config._name_or_path = folder  # as loaded from the file (nothing of ours reads it)
@@ -66,8 +65,7 @@ def config_and_tokenizer(path: str, folder: str, kw: dict[str, Any],
             log.debug("GGUF metadata cache %s unreadable (%s): building it again", where, e)
     config = AutoConfig.from_pretrained(folder, local_files_only=True, **kw)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-    if where is not None:
-        _store(where, config, tokenizer)
+    _store(where, config, tokenizer)
     return config, tokenizer, False
 
 
