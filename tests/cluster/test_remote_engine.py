@@ -125,8 +125,9 @@ async def test_admits_tokenized_request_with_the_engines_block_hashes(hf_tokeniz
     assert list(request.block_hashes) == KVBlockPool(1, 16).block_hashes(ids)
     assert len(request.block_hashes) == len(ids) // 16 >= 2
     # unset sampling values take the model's defaults here, as the engine would
+    # (repetition_penalty: the generation config's, else 1.0, which is off)
     assert request.params == SamplingParams(max_tokens=3, temperature=0.2, top_p=0.9, top_k=0,
-                                            min_p=0.0)
+                                            min_p=0.0, repetition_penalty=1.0)
     assert request.waited_s >= 0 and engine.sampling_defaults is DEFAULTS
     await drain(engine)
     assert [type(e) for e in events] == [Delta, Done]

@@ -71,7 +71,9 @@ def check(data: str | bytes) -> None:
         forms = [msg.messages, msg.prompt, msg.prompt_token_ids]
         assert sum(f is not None for f in forms) == 1
         if msg.messages is not None:
-            assert msg.messages and all(isinstance(m.role, str) and isinstance(m.content, str)
+            # content may be None (an assistant turn that made tool calls; the engine reads "")
+            assert msg.messages and all(isinstance(m.role, str)
+                                        and (m.content is None or isinstance(m.content, str))
                                         for m in msg.messages)
         if msg.prompt_token_ids is not None:
             assert all(isinstance(t, int) and t >= 0 for t in msg.prompt_token_ids)
