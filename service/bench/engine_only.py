@@ -134,8 +134,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace,
         raise ValueError(f"--kv-cache-dtype values must be distinct among "
                          f"{', '.join(KV_CACHE_DTYPES)}, got {a.kv_cache_dtype!r}")
     bf16 = [b.strip() for b in a.cpu_bf16_compute.split(",")]
-    if any(b not in ("auto", "off") for b in bf16) or len(set(bf16)) < len(bf16):
-        raise ValueError(f"--cpu-bf16-compute values must be distinct among auto, off, got "
+    if any(b not in ("auto", "on", "off") for b in bf16) or len(set(bf16)) < len(bf16):
+        raise ValueError(f"--cpu-bf16-compute values must be distinct among auto, on, off, got "
                          f"{a.cpu_bf16_compute!r}")
     models = [(q, k, b == "on", f, d, h) for q in quants for k in kernels for b in invariant
               for f in fused for d in kv_dtypes for h in bf16]

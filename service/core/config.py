@@ -78,9 +78,11 @@ class ModelConfig:
         AVX512-BF16), "auto" lets the kernel choice serve a row bucket of a layer with bf16
         F.linear where it measures faster (prefill chunks, big batches), over a bf16 copy
         of the weights (a GGUF file's decoder-layer blocks dequantized once to bf16, held
-        beside the blocks where it fits in memory), and only where the quality gate passes
-        (``service.worker.quantization.quality_gate``); "off": never (every bucket on the
-        exact paths: fp32 products, or int16 activations on the blocks).
+        beside the blocks where it takes at most ``memory_fit.BF16_COPY_SHARE`` of the
+        available memory), and only where the quality gate passes
+        (``service.worker.quantization.quality_gate``); "on": as auto, with the blocks' bf16
+        copy wherever it fits at all; "off": never (every bucket on the exact paths: fp32
+        products, or int16 activations on the blocks).
     num_threads: CPU threads of torch's intra-op pool (and of the C++ decode kernel,
         which shares its OpenMP pool); None = the CPUs of the affinity mask, capped by
         the cgroup CPU quota (`service.worker.cpu_threads.default_num_threads`).
@@ -132,9 +134,10 @@ class ModelConfig:
     cpu_bf16_compute: str = option(
         "auto", "CPU, --quantization auto: bf16 F.linear for the row buckets (prefill chunks, "
         "big batches) where it measures faster, over a bf16 copy of the weights (a GGUF "
-        "file's blocks dequantized once, where it fits in memory), where the CPU computes "
-        "bf16 in hardware (AMX, AVX512-BF16) and the start-up quality gate passes; off = "
-        "exact paths only", choices=("auto", "off"))
+        "file's blocks dequantized once, where it takes at most a quarter of the available "
+        "memory), where the CPU computes bf16 in hardware (AMX, AVX512-BF16) and the "
+        "start-up quality gate passes; on = as auto, the blocks' copy wherever it fits; off "
+        "= exact paths only", choices=("auto", "on", "off"))
     num_threads: int | None = option(
         None, "CPU threads for the forward (torch and the C++ kernels); default: the CPUs "
         "this process may use, capped by its cgroup CPU quota", metavar="N")
@@ -165,8 +168,8 @@ class ModelConfig:
                "one of auto, cpp, sdpa", self.cpu_decode_kernel)
         _check(self.cpu_fused_decode in ("auto", "on", "off"), "cpu_fused_decode",
                "one of auto, on, off", self.cpu_fused_decode)
-        _check(self.cpu_bf16_compute in ("auto", "off"), "cpu_bf16_compute", "one of auto, off",
-               self.cpu_bf16_compute)
+        _check(self.cpu_bf16_compute in ("auto", "on", "off"), "cpu_bf16_compute",
+               "one of auto, on, off", self.cpu_bf16_compute)
         _check(self.num_threads is None or (isinstance(self.num_threads, int)
                                             and not isinstance(self.num_threads, bool)
                                             and self.num_threads >= 1),

@@ -20,6 +20,14 @@ BITS_PER_WEIGHT = {"q4_1": 5.0, "q8_0": 8.5, "q4_k": 4.625, "i8_k": 10.0, "q6_k"
 no format of ours is served as fp32 (32 bits)."""
 
 
+BF16_COPY_SHARE = 0.25
+"""``--cpu-bf16-compute auto`` holds a bf16 copy of a GGUF file's decoder-layer blocks (16 bits
+a weight) only where the copy takes at most this share of the memory available at start-up:
+1.9 GiB at Llama-3.2-1B's shape, but 13 GiB at Llama-3.1-8B's, which on a 24 GiB machine
+would make the server's memory about 4x the 4.5 GB Q4_K_M file (llama.cpp's is the file plus
+its KV cache). ``on`` takes the copy wherever it fits at all."""
+
+
 class ModelDoesNotFit(ValueError):
     """The model's weights plus the requested KV cache need more memory than is available."""
 

@@ -22,8 +22,8 @@ from service.worker.thread_tuner import ThreadTuner
 from service.worker.loader import LoadedModel, default_model_path, load_model, model_name
 from service.worker.sliding_window import context_limit
 from service.worker.heap_trim import trim_heap
-from service.worker.memory_fit import (GiB, MemoryNeed, ModelDoesNotFit, check_fits,
-                                       weights_need)
+from service.worker.memory_fit import (BF16_COPY_SHARE, GiB, MemoryNeed, ModelDoesNotFit,
+                                       available_memory, check_fits, weights_need)
 from service.worker.decode_kernel import (check_decode_kernel_builds, choose_decode_kernel,
                                           choose_prefill_bf16_dot)
 from service.worker.fused_forward import build_fused_forward
@@ -112,7 +112,8 @@ class ModelRunner:
         # (its memory checked with the rest, in _check_fits)
         self._bf16_blocks_fit = False
         self._fit_checked = False
-        self._bf16_compute = mc.cpu_bf16_compute == "auto"
+        self._bf16_compute = mc.cpu_bf16_compute in ("auto", "on")
+        self._bf16_any_share = mc.cpu_bf16_compute == "on"  # the blocks' copy: no share cap
         self._max_batched_tokens = config.scheduler.max_num_batched_tokens
         if self.device.type == "cpu":
             # One intra-op thread per CPU this process may use (affinity and cgroup
@@ -198,7 +199,8 @@ class ModelRunner:
                 self.model, self.quantization or "none", mc.batch_invariant, self.calibrate,
                 gguf, fused_rows=16 if fusing else 0, bf16=self._bf16_compute,
                 round_blocks=self._bf16_blocks_fit,
-                gate=self._gate_inputs if self.device.type == "cpu" else None)
+                gate=self._gate_inputs if self.device.type == "cpu" else None,
+                gate_model=None if loaded is not None else mc.model or default_model_path())
             if self.device.type == "cpu":  # before the fused forward keeps their addresses
                 moved = packed_weights_on_huge_pages(self.model)
                 log.debug("decode-bucket packed weights on huge pages: %.1f MB", moved / 1e6)
@@ -247,9 +249,10 @@ class ModelRunner:
 
     def _bf16_copy_fits(self, need: MemoryNeed, blocks: object | None, name: str) -> bool:
         """Whether 16-bit compute may serve a GGUF file's decoder-layer blocks: allowed
-        (--cpu-bf16-compute auto), bf16 in hardware, and their bf16 copy (16 bits a weight:
-        2 GB at Llama-3.2-1B's shape, 14 GB at 8B's) fits beside `need` (the weights, KV
-        cache and swap space); a warning says so where it does not fit."""
+        (--cpu-bf16-compute auto or on), bf16 in hardware, and their bf16 copy (16 bits a
+        weight: 1.9 GiB at Llama-3.2-1B's shape, 13 GiB at 8B's) fits beside `need` (the
+        weights, KV cache and swap space) and, under auto, takes at most
+        ``BF16_COPY_SHARE`` of the available memory; a log line says why where it does not."""
         if blocks is None or not self._bf16_compute or bf16_hardware() is None:
             return False
         layers = blocks.layers.items()  # type: ignore[attr-defined]
@@ -260,6 +263,14 @@ class ModelRunner:
         except ModelDoesNotFit as e:
             log.warning("16-bit compute stays off the GGUF blocks: their bf16 copy (%.2f GiB) "
                         "does not fit beside them (%s)", copy / GiB, e)
+            return False
+        available, source = available_memory()
+        if not self._bf16_any_share and available is not None \
+                and copy > BF16_COPY_SHARE * available:
+            log.info("16-bit compute stays off the GGUF blocks: their bf16 copy (%.2f GiB) "
+                     "would take more than %d%% of the %.2f GiB available (%s); "
+                     "--cpu-bf16-compute on takes it wherever it fits", copy / GiB,
+                     round(100 * BF16_COPY_SHARE), available / GiB, source)
             return False
         return True
 

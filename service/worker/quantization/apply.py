@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.worker.quantization.choice import choose_plan
+from service.worker.quantization.gate_cache import gate_cache_key, load_verdict, store_verdict
 from service.worker.quantization.paths import (PATHS, BF16Linear, bf16_hardware, candidates,
                                                machine_note)
 from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_rows
-from service.worker.quantization.quality_gate import GateResult, Score, run_gate
+from service.worker.quantization.quality_gate import (GateResult, Score, apply_verdict,
+                                                      bf16_buckets, run_gate)
 
 from service.worker.gguf_weights import DENSE_TYPES
 
@@ -118,8 +120,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
                       calibrate: Callable[[], list],
                       gguf: GGUFLinearWeights | None = None,
                       fused_rows: int = 0, *, bf16: bool = True, round_blocks: bool = False,
-                      gate: Callable[[], tuple[Score, int]] | None = None
-                      ) -> LinearPlan:
+                      gate: Callable[[], tuple[Score, int]] | None = None,
+                      gate_model: str | None = None) -> LinearPlan:
     """Choose each linear layer's kernel by measurement (``choose_plan``; timings cached per
     machine), log the table, calibrate SmoothQuant where an activation-quantizing path
     serves (``calibrate()``: per-layer AmaxObservers), and replace the model's linear layers.
@@ -140,6 +142,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     gate: in the auto modes where bf16 was chosen for some bucket, () -> (the quality
         gate's score, its text's tokens) (``quality_gate.run_gate``); None: no bf16 in the
         auto modes (nothing can vouch for it).
+    gate_model: the served model's path: the gate's verdict is kept on disk for it and this
+        machine (``gate_cache``) and a later start-up reuses it; None: not kept.
 
     Raises:
         ValueError: no kernel of the mode can run here (int4 or batch-invariant without the
@@ -174,7 +178,7 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     observed = calibrate() if smooth else None
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
     if auto:
-        plan = _gate_16bit(model, plan, gate, bf16, round_blocks, blocks_only)
+        plan = _gate_16bit(model, plan, gate, bf16, round_blocks, blocks_only, gate_model)
     log.info("linear layers: %s (SmoothQuant on %s; %s)", plan.summary(),
              ", ".join(sorted(smooth)) or "none", machine_note())
     if auto:
@@ -183,10 +187,33 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     return plan.without_natives()
 
 
+def _scored_or_cached(linears: list[object], gate: Callable[[], tuple[Score, int]],
+                      gate_model: str | None) -> list[GateResult]:
+    """``run_gate``'s results, from the disk cache where a verdict for this model, machine
+    and plan is stored (its refusals applied again), else scored now and stored."""
+    score, tokens = gate()
+    key = gate_cache_key(gate_model, linears, tokens) if gate_model else None
+    cached = load_verdict(key) if key else None
+    if cached is not None:
+        results, unreachable = cached
+        apply_verdict(linears, results, unreachable)
+        log.info("quality gate: the verdict stored for this model and machine (%s), not "
+                 "scored again", "; ".join(r.describe() for r in results) or "no bucket tested")
+        return results
+    before = bf16_buckets(linears)
+    results = run_gate(linears, score, tokens)
+    if key is not None:
+        tested = {r.bucket for r in results}
+        store_verdict(key, results, [b for b in before if b not in tested])
+    return results
+
+
 def _gate_16bit(model: LlamaModel, plan: LinearPlan,
                 gate: Callable[[], tuple[Score, int]] | None, bf16: bool,
-                round_blocks: bool, blocks_only: bool) -> LinearPlan:
-    """Run the quality gate where the plan put bf16 on some bucket (``run_gate``), set the
+                round_blocks: bool, blocks_only: bool, gate_model: str | None = None
+                ) -> LinearPlan:
+    """Run the quality gate where the plan put bf16 on some bucket (``run_gate``; or take
+    its verdict from the disk cache, ``gate_cache``, for `gate_model` on this machine), set the
     plan's choices to what the model's layers then run, and log the start-up line on
     16-bit compute: which buckets of which classes use it, the gate's figures, the bf16
     weights' bytes; or why none does."""
@@ -194,7 +221,7 @@ def _gate_16bit(model: LlamaModel, plan: LinearPlan,
     results: list[GateResult] = []
     if gate is not None and any(PATHS[n].rounds_weights for names in plan.choices.values()
                                 for n in names):
-        results = run_gate([lin for _, lin in linears], *gate())
+        results = _scored_or_cached([lin for _, lin in linears], gate, gate_model)
     served: dict[str, tuple[str, ...]] = {}
     for cls, lin in linears:  # the first layer of each class, as the plan's choices
         if cls not in served:

@@ -190,6 +190,18 @@ def drop_bucket(linears: Sequence[object], bucket: int) -> None:
                               for i, n in enumerate(lin.names))
 
 
+def apply_verdict(linears: Sequence[object], results: Sequence[GateResult],
+                  unreachable: Sequence[int], gate: QualityGate = QualityGate()) -> None:
+    """Serve the buckets a stored verdict refused (`results` that fail `gate`, and the
+    `unreachable` ones its text could not test) by the exact path below them
+    (``drop_bucket``), as ``run_gate`` did when it scored them."""
+    for b in unreachable:
+        drop_bucket(linears, b)
+    for r in results:
+        if not r.passes(gate):
+            drop_bucket(linears, r.bucket)
+
+
 def run_gate(linears: Sequence[object], score: Score, tokens: int,
              gate: QualityGate = QualityGate()) -> list[GateResult]:
     """Score the text (`tokens` long) with the reference plan once, then with each bucket

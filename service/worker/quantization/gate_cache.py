@@ -1,0 +1,117 @@
+"""The quality gate's verdicts kept on disk, so that a server restarted on the same model and
+machine does not score the gate's text again.
+
+The gate (``quality_gate.run_gate``) feeds a text of about 1,000 tokens through the model
+once with the exact plan and once per bucket that chose bf16. At the 8B shape on 2 Zen 4
+cores that took 194 s of a 304 s start-up (2026-12-06, llama-3.1-8b-random-Q4_K_M.gguf,
+every bucket timed afresh); the verdict is the same at every start-up as long as nothing it
+depends on changed.
+
+Kept in ``$CONVEYOR_CACHE_DIR/kernels/quality-gate-<key>.json`` (the kernel timings'
+folder, ``kernels.cpu_build.cache_dir``). The key hashes everything the verdict depends on:
+
+- the model's files: real path, size and modification time (``model_identity``);
+- what the linear timings' key covers (``choice.cache_key``: the C++ kernel source, the CPU
+  flags, torch's version, the thread count, the instruction-set caps);
+- the source of the model's forward and of the gate (its text, its scoring, the bf16 path);
+- the plan's paths, bucket by bucket, of every layer that runs bf16 somewhere;
+- the text's length (capped by the KV cache) and the gate's thresholds.
+
+A cache that cannot be read or written is skipped (the gate then runs, as without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from kernels.cpu_build import cache_dir
+from service.worker.quantization import choice, gate_text, paths, quality_gate
+from service.worker.quantization.plan import DispatchLinear
+from service.worker.quantization.quality_gate import GateResult, QualityGate
+
+log = logging.getLogger(__name__)
+
+GATE_CACHE_VERSION = 1
+"""Bumped when the stored form or the meaning of a verdict changes."""
+
+_MODEL_FILES = (".gguf", ".safetensors", ".bin", ".json", ".model")
+
+
+def model_identity(path: str | os.PathLike[str]) -> str:
+    """"realpath|size|mtime_ns" of a model file, or of each weight, config and tokenizer
+    file in a model folder (sorted by name); "" for a path that does not exist."""
+    real = os.path.realpath(path)
+    try:
+        if os.path.isdir(real):
+            entries = sorted((e for e in os.scandir(real)
+                              if e.is_file() and e.name.endswith(_MODEL_FILES)),
+                             key=lambda e: e.name)
+            stats = [(e.name, e.stat()) for e in entries]
+        else:
+            stats = [("", os.stat(real))]
+    except OSError:
+        return ""
+    return real + "|" + ";".join(f"{n}:{st.st_size}:{st.st_mtime_ns}" for n, st in stats)
+
+
+def _source_digest() -> bytes:
+    from service.worker import model as model_module  # the forward every score runs
+
+    h = hashlib.sha256()
+    for module in (model_module, quality_gate, gate_text, paths):
+        h.update(Path(module.__file__ or "").read_bytes())
+    return h.digest()
+
+
+def gate_cache_key(model: str, linears: Sequence[object], tokens: int,
+                   gate: QualityGate = QualityGate()) -> str | None:
+    """The verdict's key (16 hex digits), or None where the model's files cannot be
+    identified (then nothing is cached)."""
+    identity = model_identity(model)
+    if not identity:
+        return None
+    layout = [lin.names for lin in linears if isinstance(lin, DispatchLinear)
+              and any(paths.PATHS[n].rounds_weights for n in lin.names)]
+    parts = [str(GATE_CACHE_VERSION), identity, choice.cache_key(), _source_digest().hex(),
+             json.dumps(layout), str(tokens), json.dumps(dataclasses.asdict(gate))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / f"quality-gate-{key}.json"
+
+
+def load_verdict(key: str) -> tuple[list[GateResult], list[int]] | None:
+    """(each scored bucket's result, the buckets the text could not reach) stored under
+    `key`, or None when there is none or it cannot be read."""
+    try:
+        data = json.loads(_path(key).read_text())
+        results = [GateResult(**r) for r in data["results"]]
+        unreachable = [int(b) for b in data["unreachable"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return results, unreachable
+
+
+def store_verdict(key: str, results: Sequence[GateResult], unreachable: Sequence[int]) -> None:
+    """Write the verdict atomically (a temporary file renamed); a failure is logged, never
+    raised."""
+    where = _path(key)
+    data = {"version": GATE_CACHE_VERSION,
+            "results": [dataclasses.asdict(r) for r in results],
+            "unreachable": list(unreachable)}
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=".quality-gate-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, where)
+    except OSError as e:
+        log.warning("quality gate verdict not cached (%s): the next start-up scores again", e)
