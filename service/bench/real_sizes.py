@@ -33,7 +33,7 @@ from service.bench.llama_peer import LlamaPeerOptions, build_info
 from service.bench.llama_server import ROOT, LlamaServerProcess, gguf_file_type
 from service.bench.machine import flags_text, machine_info
 from service.bench.plan import LoadPlan
-from service.bench.real_sizes_args import build_parser, check_args
+from service.bench.real_sizes_args import build_parser, check_args, phases_of
 from service.bench.real_sizes_figures import Figures, Row, file_ratios, format_table, parse_vmhwm
 from service.bench.real_sizes_plan import PHASES, Phases, build_phases
 from service.bench.record import RequestRecord
@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from service.worker.loader import default_model_path
 
     models = a.model or [str(default_model_path())]
+    chosen = phases_of(a)
     threads = a.num_threads or default_num_threads()
     machine = machine_info(ROOT)
     cpu = machine["cpu"]
@@ -79,14 +80,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"{model}: loading its tokenizer ...")
         phases = build_phases(load_tokenizer(model), cfg)
         files.append(_file_info(model, phases))
-        targets: list[tuple[str, HealthCheckedProcess, PhaseRunner]] = [
-            ("conveyor", _conveyor(model, phases, threads, a), _run_conveyor(a.no_progress))]
+        targets: list[tuple[str, Callable[[], HealthCheckedProcess], PhaseRunner]] = [
+            ("conveyor", lambda model=model, phases=phases: _conveyor(model, phases, threads, a),
+             _run_conveyor(a.no_progress))]
         if binary is not None:
-            targets.append(("llama-server", _llama(binary, model, phases, threads, a),
+            targets.append(("llama-server", lambda model=model, phases=phases: _llama(
+                binary, model, phases, threads, a),
                             _run_llama(a.no_progress)))
-        for server_name, server, run_phase in targets:
+        for server_name, make_server, run_phase in targets * a.repeat:
+            server = make_server()
             _say(f"{Path(model).name}: {server_name}: {shlex.join(server.argv)}")
-            row, detail = measure(Path(model).name, server_name, server, phases, run_phase)
+            row, detail = measure(Path(model).name, server_name, server, phases, run_phase,
+                                  chosen)
             if server_name == "llama-server":
                 detail["target"]["build"] = build_info(binary)
             rows.append(row)
@@ -122,9 +127,9 @@ def _now() -> str:
 
 
 def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: Phases,
-            run_phase: PhaseRunner) -> tuple[Row, dict]:
-    """Start `server` (timing it), run the phases, read VmHWM, stop it. Returns the row and
-    its JSON details (target, each phase's run). A failure ends the row there."""
+            run_phase: PhaseRunner, chosen: Sequence[str] = PHASES) -> tuple[Row, dict]:
+    """Start `server` (timing it), run the `chosen` phases, read VmHWM, stop it. Returns the
+    row and its JSON details (target, each phase's run). A failure ends the row there."""
     server.poll_s = HEALTH_POLL_S
     detail: dict = {"target": {"argv": server.argv, "server_log": server.log_path}, "phases": {},
                     "loadavg": {"start": read_loadavg()}}  # a busy machine shows here
@@ -141,7 +146,7 @@ def measure(file: str, server_name: str, server: HealthCheckedProcess, phases: P
     runs: dict[str, RunResult] = {}
     failure = vmhwm = None
     try:
-        for phase in PHASES:
+        for phase in chosen:
             try:
                 records = run_phase(server, getattr(phases, phase), f"{server_name} {phase}")
             except Exception as e:  # noqa: BLE001 - the client's errors vary; the row says which

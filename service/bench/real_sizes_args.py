@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from service.bench.real_sizes_plan import RealSizesConfig
+from service.bench.real_sizes_plan import PHASES, RealSizesConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +44,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds allowed for a server to load and answer /health")
     p.add_argument("--json", default=None, metavar="PATH", help="write the table and every "
                    "figure, per-request records included, as JSON")
+    p.add_argument("--phases", default=",".join(PHASES), metavar="LIST",
+                   help="the phases to run after each server's start, comma-separated among "
+                        f"{', '.join(PHASES)}; 'none': the load time and the memory at "
+                        "ready only")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="start each (file, server) N times, the servers taking turns (load "
+                        "times vary from start to start)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def phases_of(a: argparse.Namespace) -> tuple[str, ...]:
+    """The phases --phases names, in PHASES' order; () for 'none'. Raises ValueError."""
+    names = [n.strip() for n in a.phases.split(",") if n.strip()]
+    if names == ["none"]:
+        return ()
+    unknown = [n for n in names if n not in PHASES]
+    if unknown or not names:
+        raise ValueError(f"--phases {a.phases!r}: give some of {', '.join(PHASES)}, or none")
+    return tuple(p for p in PHASES if p in names)
 
 
 def config_of(a: argparse.Namespace) -> RealSizesConfig:
@@ -68,6 +86,9 @@ def check_args(a: argparse.Namespace) -> RealSizesConfig:
             raise ValueError(f"--model {model}: no such file")
     if len(set(map(_resolved, a.model))) != len(a.model):
         raise ValueError("--model: a file is given twice")
+    phases_of(a)
+    if a.repeat < 1:
+        raise ValueError(f"--repeat {a.repeat} is out of range")
     if a.num_threads is not None and a.num_threads < 1:
         raise ValueError(f"--num-threads {a.num_threads} is out of range")
     if not a.server_start_timeout > 0:

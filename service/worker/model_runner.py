@@ -93,6 +93,10 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+SWAP_PROBE_BYTES = 32 << 20
+"""The swap-rate measurement at start-up copies at most this many bytes of KV blocks each way."""
+
+
 class ModelRunner:
     """Loads the model, allocates the KV cache and executes steps.
 
@@ -390,7 +394,10 @@ class ModelRunner:
         if prefill_tokens is None:
             prefill_tokens = warmup_tokens(self.loaded.hf_config)
         swap_bw = 0.0
-        n = min(32, self.num_blocks, self.num_swap_blocks)
+        # at most 32 blocks and SWAP_PROBE_BYTES of them: 32 blocks are 23 MB at 135M's
+        # shape but 128 MB at 8B's, whose first touches and copies took 8.8 s of a start-up
+        n = min(32, max(1, SWAP_PROBE_BYTES // self.kv_bytes_per_block), self.num_blocks,
+                self.num_swap_blocks)
         if n:
             pairs = [(i, i) for i in range(n)]
             both = SchedulerOutput([], 0, swap_out=pairs, swap_in=pairs)

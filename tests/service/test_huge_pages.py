@@ -92,3 +92,22 @@ def test_packed_blocks_are_written_on_huge_pages() -> None:
     for t in (packed.data, packed.scale, packed.minv, packed.super_scale, packed.super_min,
               packed.bias):
         assert huge_pages.on_huge_pages(t)
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the lazy mapping is Linux's")
+def test_a_large_cache_is_zero_writable_and_resident_only_where_touched() -> None:
+    n = huge_pages.LAZY_ZEROS_BYTES // 4 * 2  # 128 MiB of float32: the mapped path
+    before = _rss_bytes()
+    t = huge_pages.zeros_on_huge_pages((2, n // 2), torch.float32)
+    assert t.shape == (2, n // 2) and t.is_contiguous()
+    assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert _rss_bytes() - before < 32 << 20  # nothing written: (almost) nothing resident
+    t[1, :1024] = 2.5
+    assert float(t.sum()) == 2.5 * 1024 and not t[0].any()
+    view = t[1, :4]
+    del t  # a view keeps the mapping alive
+    assert view.tolist() == [2.5] * 4
