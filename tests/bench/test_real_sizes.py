@@ -15,7 +15,7 @@ from service.bench.llama_server import LlamaServerProcess
 from service.bench.machine import cpu_summary, flags_text
 from service.bench.plan import LoadPlan
 from service.bench.real_sizes import _run_llama, measure
-from service.bench.real_sizes_args import build_parser, check_args
+from service.bench.real_sizes_args import build_parser, check_args, phases_of
 from service.bench.real_sizes_figures import Figures, Row, format_table, parse_vmhwm, ratios
 from service.bench.real_sizes_plan import Phases, RealSizesConfig, build_phases
 from service.bench.request_spec import RequestSpec
@@ -100,6 +100,9 @@ def _args(*argv: str):
     (["--one-user-requests", "0"], "one_user_requests must be >= 1"),
     (["--long-prompt", "0"], "long_prompt must be >= 1"),
     (["--timeout", "0"], "timeout_s must be > 0"),
+    (["--phases", "one_user,warmup"], "give some of one_user, concurrent, long, or none"),
+    (["--phases", ""], "give some of"),
+    (["--repeat", "0"], "--repeat 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -177,6 +180,18 @@ def test_one_server_measured_end_to_end_on_the_fake(tmp_path) -> None:
     assert all(len(detail["loadavg"][k]) == 3 for k in ("start", "end"))
     assert detail["target"]["argv"][detail["target"]["argv"].index("-np") + 1] == "4"
     json.dumps(detail, allow_nan=False)
+
+
+def test_phases_none_measures_the_load_and_the_memory_alone(tmp_path) -> None:
+    assert phases_of(_args("--phases", "none")) == ()
+    assert phases_of(_args("--phases", "long, one_user")) == ("one_user", "long")
+    assert phases_of(_args()) == ("one_user", "concurrent", "long")
+    phases = _tiny_phases()
+    server = _server(_fake_binary(tmp_path), phases)
+    row, detail = measure("f.gguf", "llama-server", server, phases, _run_llama(True), ())
+    assert row.failure is None and detail["phases"] == {}
+    assert row.figures.load_s > 0 and row.figures.vmhwm_mib is not None
+    assert row.figures.itl_p50_ms is None and row.figures.long_ttft_ms is None
 
 
 def test_a_server_that_dies_mid_run_is_a_failed_row_with_what_was_measured(tmp_path) -> None:
