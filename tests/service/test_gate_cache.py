@@ -10,7 +10,8 @@ import pytest
 
 from service.worker.quantization import apply as apply_module
 from service.worker.quantization.gate_cache import (gate_cache_key, load_verdict,
-                                                    model_identity, store_verdict)
+                                                    model_identity, refused_before,
+                                                    remember_refusal, store_verdict)
 from service.worker.quantization.quality_gate import GateResult, QualityGate
 from tests.service.test_bf16_gate import X16, _fake_model, _score_by_paths
 
@@ -97,3 +98,24 @@ def test_no_model_path_scores_every_time(tmp_path) -> None:
         score, seen = _score_by_paths(linears, {})
         apply_module._scored_or_cached(linears, lambda: (score, 1001), None)
         assert len(seen) == 2
+
+
+def test_a_refusal_is_remembered_per_model_and_machine(tmp_path) -> None:
+    path = _model_file(tmp_path)
+    assert refused_before(path) is None
+    linears = _fake_model((2, 3))
+    score, _ = _score_by_paths(linears, {512: 0.01, 64: 0.0})
+    apply_module._scored_or_cached(linears, lambda: (score, 1001), path)
+    assert refused_before(path).startswith("rows 181+: top-1 99.0% of 1000")
+    other = _model_file(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path)
+    assert refused_before(other) is None  # another file: nothing known
+
+
+def test_passes_and_refusals_for_too_short_a_text_are_not_remembered(tmp_path) -> None:
+    path = _model_file(tmp_path)
+    remember_refusal(path, [GateResult(3, 1000, 0.999, 12.0, 12.0)])  # passed
+    assert refused_before(path) is None
+    remember_refusal(path, [GateResult(3, 300, 0.9, 12.0, 12.0)])  # 300 positions: no verdict
+    assert refused_before(path) is None
+    remember_refusal(path, [GateResult(3, 1000, 0.9, 12.0, 12.0)])
+    assert "top-1 90.0% of 1000" in refused_before(path)

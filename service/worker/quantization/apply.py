@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from service.worker.quantization.choice import choose_plan
-from service.worker.quantization.gate_cache import gate_cache_key, load_verdict, store_verdict
+from service.worker.quantization.gate_cache import (gate_cache_key, load_verdict, refused_before,
+                                                    remember_refusal, store_verdict)
 from service.worker.quantization.paths import (PATHS, BF16Linear, bf16_hardware, candidates,
                                                machine_note)
 from service.worker.quantization.plan import BUCKETS, DispatchLinear, LinearPlan, bucket_rows
@@ -163,6 +164,12 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     if (None, "lm_head") in natives:
         first["lm_head"] = natives[(None, "lm_head")]
     auto = mode in ("auto", "auto-a8")
+    # a model whose gate refused bf16 on this machine before is not offered it again: no
+    # bf16 copy of its blocks, no timing of that path (gate_cache.refused_before)
+    before = refused_before(gate_model) if auto and bf16 and gate is not None and gate_model \
+        else None
+    if before is not None:
+        bf16, round_blocks = False, False
     plan = choose_plan(model.linear_weights(),
                        candidates(mode, batch_invariant, bf16=bf16 and gate is not None),
                        mode, batch_invariant, natives=first, fused_rows=fused_rows,
@@ -178,7 +185,8 @@ def apply_linear_plan(model: LlamaModel, mode: str, batch_invariant: bool,
     observed = calibrate() if smooth else None
     model.quantize(plan.make_linear, None if mode == "none" else mode, observed, smooth)
     if auto:
-        plan = _gate_16bit(model, plan, gate, bf16, round_blocks, blocks_only, gate_model)
+        plan = _gate_16bit(model, plan, gate, bf16, round_blocks, blocks_only, gate_model,
+                           before)
     log.info("linear layers: %s (SmoothQuant on %s; %s)", plan.summary(),
              ", ".join(sorted(smooth)) or "none", machine_note())
     if auto:
@@ -197,6 +205,7 @@ def _scored_or_cached(linears: list[object], gate: Callable[[], tuple[Score, int
     if cached is not None:
         results, unreachable = cached
         apply_verdict(linears, results, unreachable)
+        remember_refusal(gate_model, results)  # type: ignore[arg-type]
         log.info("quality gate: the verdict stored for this model and machine (%s), not "
                  "scored again", "; ".join(r.describe() for r in results) or "no bucket tested")
         return results
@@ -205,13 +214,15 @@ def _scored_or_cached(linears: list[object], gate: Callable[[], tuple[Score, int
     if key is not None:
         tested = {r.bucket for r in results}
         store_verdict(key, results, [b for b in before if b not in tested])
+    if gate_model:
+        remember_refusal(gate_model, results)
     return results
 
 
 def _gate_16bit(model: LlamaModel, plan: LinearPlan,
                 gate: Callable[[], tuple[Score, int]] | None, bf16: bool,
-                round_blocks: bool, blocks_only: bool, gate_model: str | None = None
-                ) -> LinearPlan:
+                round_blocks: bool, blocks_only: bool, gate_model: str | None = None,
+                refused: str | None = None) -> LinearPlan:
     """Run the quality gate where the plan put bf16 on some bucket (``run_gate``; or take
     its verdict from the disk cache, ``gate_cache``, for `gate_model` on this machine), set the
     plan's choices to what the model's layers then run, and log the start-up line on
@@ -239,7 +250,9 @@ def _gate_16bit(model: LlamaModel, plan: LinearPlan,
                  " (the GGUF blocks dequantized once; the blocks still serve fewer rows)"
                  if blocks_only else "", gated)
         return plan
-    why = ("--cpu-bf16-compute off" if not bf16 else
+    why = (f"the quality gate refused it for this model on this machine before ({refused}); "
+           "remembered in the kernel cache folder" if refused is not None else
+           "--cpu-bf16-compute off" if not bf16 else
            "this CPU emulates bf16 (no AMX or AVX512-BF16)" if hw is None else
            "no quality gate here" if gate is None else
            f"the quality gate refused it ({gated})" if results else

@@ -18,6 +18,13 @@ folder, ``kernels.cpu_build.cache_dir``). The key hashes everything the verdict 
 - the text's length (capped by the KV cache) and the gate's thresholds.
 
 A cache that cannot be read or written is skipped (the gate then runs, as without one).
+
+Beside the verdicts, a refusal is remembered per model and machine alone (``refused_before``:
+the key without the plan and the text's length): a model whose gate refused 16-bit compute
+for some bucket on a text long enough to judge is not offered bf16 again there, so that the
+next start-up neither dequantizes its blocks to a bf16 copy nor times that path. At the
+Llama-3.2-1B shape (Q4_K_M) the copy cost 7.5 s of a 17.8 s start-up and 1.9 GB of peak
+memory, only to be dropped by the stored verdict (2026-12-06, Zen 4).
 """
 
 from __future__ import annotations
@@ -88,6 +95,40 @@ def _path(key: str) -> Path:
     return cache_dir() / f"quality-gate-{key}.json"
 
 
+def _refusal_key(model: str, gate: QualityGate) -> str | None:
+    identity = model_identity(model)
+    if not identity:
+        return None
+    parts = [str(GATE_CACHE_VERSION), "refused", identity, choice.cache_key(),
+             _source_digest().hex(), json.dumps(dataclasses.asdict(gate))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def refused_before(model: str, gate: QualityGate = QualityGate()) -> str | None:
+    """The stored description of the gate's refusal for `model` on this machine (e.g.
+    "rows 181+: top-1 99.4% of 1053, ..."), or None: never refused here, or unknown."""
+    key = _refusal_key(model, gate)
+    if key is None:
+        return None
+    try:
+        text = json.loads(_path(key).read_text())["refused"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return text if isinstance(text, str) and text else None
+
+
+def remember_refusal(model: str, results: Sequence[GateResult],
+                     gate: QualityGate = QualityGate()) -> None:
+    """Store the refusals among `results` that judged quality (enough positions: a refusal
+    for a text too short, from a small KV cache, says nothing of the model); nothing when
+    every bucket passed."""
+    refused = [r for r in results if not r.passes(gate) and r.positions >= gate.min_positions]
+    key = _refusal_key(model, gate)
+    if refused and key is not None:
+        _write(_path(key), {"version": GATE_CACHE_VERSION,
+                            "refused": "; ".join(r.describe() for r in refused)})
+
+
 def load_verdict(key: str) -> tuple[list[GateResult], list[int]] | None:
     """(each scored bucket's result, the buckets the text could not reach) stored under
     `key`, or None when there is none or it cannot be read."""
@@ -101,12 +142,14 @@ def load_verdict(key: str) -> tuple[list[GateResult], list[int]] | None:
 
 
 def store_verdict(key: str, results: Sequence[GateResult], unreachable: Sequence[int]) -> None:
-    """Write the verdict atomically (a temporary file renamed); a failure is logged, never
-    raised."""
-    where = _path(key)
-    data = {"version": GATE_CACHE_VERSION,
-            "results": [dataclasses.asdict(r) for r in results],
-            "unreachable": list(unreachable)}
+    """Write the verdict; a failure is logged, never raised."""
+    _write(_path(key), {"version": GATE_CACHE_VERSION,
+                        "results": [dataclasses.asdict(r) for r in results],
+                        "unreachable": list(unreachable)})
+
+
+def _write(where: Path, data: dict) -> None:
+    """Write `data` as JSON atomically (a temporary file renamed); a failure is logged."""
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=where.parent, prefix=".quality-gate-")
