@@ -1,5 +1,6 @@
-"""A Llama-family GGUF file's tensors by name, memory-mapped (``gguf.GGUFReader``), read in
-the model's (transformers') row order.
+"""A Llama-family GGUF file's tensors by name, memory-mapped (``gguf_index.GGUFIndex``, or
+``gguf.GGUFReader`` for a file it does not read), read in the model's (transformers') row
+order.
 
 llama.cpp's converter permutes the rows of Q and K (weights and biases) of
 Llama-architecture models, rotary pairs interleaved; transformers undoes it on load
@@ -9,8 +10,12 @@ rows, which keeps the blocks (they run along the input dimension).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+
+from service.worker.gguf_index import GGUFIndex
 
 
 def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -30,16 +35,23 @@ class GGUFFile:
     Raises ValueError for a file the gguf package cannot parse."""
 
     def __init__(self, path: str) -> None:
-        import gguf
-
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the gguf package raises ValueError, struct.error, ...
-            raise ValueError(f"{path}: not a GGUF file the gguf package can read: {e}") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        arch_field = self.reader.fields.get("general.architecture")
-        self.arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else "llama"
+        try:  # the header alone (gguf_index: tens of ms where gguf's reader takes seconds)
+            index = GGUFIndex(path)
+            self.tensors: dict[str, Any] = dict(index.tensors)
+            arch = index.fields.get("general.architecture")
+        except ValueError:
+            import gguf
+
+            try:
+                reader = gguf.GGUFReader(path)
+            except Exception as e:  # the gguf package raises ValueError, struct.error, ...
+                raise ValueError(f"{path}: not a GGUF file the gguf package can read: {e}"
+                                 ) from e
+            self.tensors = {t.name: t for t in reader.tensors}
+            field = reader.fields.get("general.architecture")
+            arch = bytes(field.parts[-1]).decode() if field is not None else None
+        self.arch = arch if isinstance(arch, str) else "llama"
         self.permute = self.arch == "llama"  # transformers' LlamaTensorProcessor
 
     def has(self, name: str) -> bool:
