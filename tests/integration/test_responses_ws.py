@@ -158,9 +158,8 @@ async def test_4_errors_leave_the_socket_usable(server) -> None:
         assert err.error.type == "invalid_request_error" and err.sequence_number == 0
 
         [err] = await turn(conn, model=MODEL, input="Hi",
-                           tools=[{"type": "function", "name": "f", "parameters": {},
-                                   "strict": True}])
-        assert (err.error.code, err.error.param) == ("unsupported_parameter", "tools")
+                           tools=[{"type": "web_search"}])
+        assert (err.error.code, err.error.param) == ("unsupported_value", "tools[0].type")
 
         [err] = await turn(conn, model="gpt-5", input="Hi")
         assert (err.error.code, err.error.param) == ("model_not_found", "model")
