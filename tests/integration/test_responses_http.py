@@ -248,3 +248,44 @@ def test_bodies_too_deep_or_too_big_and_the_server_goes_on(server):
         r = http.post(server.base_url + "/responses", content=json.dumps(
             {"input": "Say hi.", "max_output_tokens": 4}))
         assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete")
+
+
+def test_bad_input_over_the_websocket_mode_is_an_error_event_and_the_socket_goes_on(server):
+    url = server.base_url.replace("http://", "ws://") + f"/responses?api_key={KEY}"
+
+    def create(**fields) -> str:
+        return json.dumps({"type": "response.create", "model": MODEL, "input": "x", **fields})
+
+    frames = [
+        ('{"type": "response.create", "input": "x", "metadata": ' + "[" * 5000 + "]" * 5000
+         + "}", "invalid_json", None),
+        (create(text={"format": {"type": "json_schema", "name": "n", "schema": False}}),
+         "invalid_value", "text.format"),
+        (create(text={"format": {"type": "json_schema", "name": "n", "schema": {
+            "type": "string", "pattern": "(unclosed"}}}), "invalid_value", "text.format"),
+        (create(tools=[WEATHER], tool_choice={"type": "function", "name": "nope"}),
+         "invalid_value", "tool_choice.name"),
+        (create(tools=[WEATHER, WEATHER]), "invalid_value", "tools"),
+        (create(tools=[{"type": "file_search"}]), "unsupported_value", "tools[0].type"),
+    ]
+
+    async def main() -> tuple[list, list]:
+        import websockets
+
+        errors = []
+        async with websockets.connect(url, max_size=None) as ws:
+            for frame, _, _ in frames:
+                await ws.send(frame)
+                errors.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            await ws.send(create(input="Say hi.", max_output_tokens=4))
+            events = []
+            while not events or events[-1]["type"] not in ("response.completed",
+                                                            "response.incomplete"):
+                events.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+        return errors, events
+
+    errors, events = asyncio.run(main())
+    for error, (_, code, param) in zip(errors, frames):
+        assert error["type"] == "error" and error["status"] == 400, error
+        assert (error["error"]["code"], error["error"]["param"]) == (code, param), error
+    assert events[0]["type"] == "response.created"
