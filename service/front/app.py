@@ -12,7 +12,8 @@
     GET  /v1/models             \\
     GET  /v1/models/{model}      | the OpenAI HTTP API (service/front/openai/)
     POST /v1/chat/completions    |
-    POST /v1/completions        /
+    POST /v1/completions         |
+    POST /v1/responses          /  (the Responses API over HTTP, beside its WebSocket mode)
 
 Every route but /health is guarded (service/front/access.py); the HTTP routes answer CORS
 (preflights, Access-Control-Allow-Origin) for the allowed Origins. `build_app` makes the same

@@ -112,7 +112,8 @@ def context_after(response_id: str, prompt_ids: Sequence[int], output_ids: Seque
                   messages: tuple[ChatMessage, ...], instructions: str | None,
                   special_ids: frozenset[int], key: str | None = None) -> StoredResponse:
     """The context a completed turn leaves: its prompt + output ids without the trailing
-    special tokens (EOS: the template's own end of turn follows in the next prompt)."""
+    special tokens (EOS: the template's own end of turn follows in the next prompt); key:
+    how its prompt rendered the tools (`tools_key`)."""
     out = list(output_ids)
     while out and out[-1] in special_ids:
         out.pop()
