@@ -15,18 +15,20 @@ Shared by the two transports of the Responses API: the WebSocket actor
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import (ChatMessage, ContextLengthExceeded, Done, InvalidRequest,
                       ProtocolError)
 from protocol.responses_request import CreateRequest, ResponsesError
 from service.engine.client import EngineClient, EngineRequest
-from service.engine.constraints.tools import ToolPlan
 from service.front.openai.errors import ERROR_TYPES
 from service.front.ws.responses.context import (build_prompt, context_after, prompt_tokenizer,
                                                 tools_key)
 from service.front.ws.responses.run import ResponseRun, tools_active
 from service.front.ws.responses.store import StoredResponse
+
+if TYPE_CHECKING:
+    from service.engine.constraints.tools import ToolPlan
 
 __all__ = ["admit", "check_model", "context_of", "from_protocol_error"]
 
@@ -85,8 +87,8 @@ async def admit(engine: EngineClient, run: ResponseRun, previous: StoredResponse
 
     def render() -> tuple[list[int], tuple[ChatMessage, ...], ToolPlan | None]:
         pt = prompt_tokenizer(engine.tokenizer)
-        plan = ToolPlan.make(req.tools, req.tool_choice, pt.tool_style, request_id,
-                             parallel=req.parallel_tool_calls) if active else None
+        plan = pt.tool_plan(req.tools, req.tool_choice, parallel=req.parallel_tool_calls,
+                            request_id=request_id) if active else None
         ids, messages = build_prompt(pt, previous, req.instructions, req.messages,
                                      generate=req.generate, tools=plan)
         return ids, messages, plan

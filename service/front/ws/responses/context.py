@@ -29,12 +29,14 @@ import json
 import weakref
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol import ChatMessage
-from service.engine.constraints.tools import ToolPlan
 from service.engine.request_input import PromptTokenizer
 from service.front.ws.responses.store import StoredResponse
+
+if TYPE_CHECKING:
+    from service.engine.constraints.tools import ToolPlan
 
 __all__ = ["build_prompt", "context_after", "prompt_tokenizer", "tools_key"]
 
