@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response as SdkResponse
 from openai.types.responses.response_stream_event import ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -56,7 +57,7 @@ def post(server, body: dict, **kw) -> httpx.Response:
                       headers={"Authorization": f"Bearer {KEY}"}, **kw)
 
 
-def test_create_returns_one_response_object(client):
+def test_create_returns_one_response_object(server, client):
     r = client.responses.create(model=MODEL, input="What is the capital of France?",
                                 temperature=0, max_output_tokens=24,
                                 instructions="Answer in one sentence.")
@@ -64,6 +65,12 @@ def test_create_returns_one_response_object(client):
     assert "Paris" in r.output_text and r.output[0].type == "message"
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.instructions == "Answer in one sentence." and r.store is True
+    # the raw body validates as the SDK's Response (strict pydantic, not the SDK's lenient
+    # construction), also with tools in it
+    raw = post(server, {"input": "Weather in Oslo?", "tools": [WEATHER], "max_output_tokens": 60,
+                        "tool_choice": "required", "temperature": 0})
+    body = SdkResponse.model_validate(raw.json())
+    assert body.output[0].type == "function_call" and body.tools[0].name == "get_weather"
 
 
 def test_stream_true_sends_the_websocket_modes_events(client):
@@ -135,6 +142,8 @@ def test_tools_required_and_named_give_function_call_items(client):
                                      tool_choice={"type": "function", "name": "search"},
                                      max_output_tokens=80, stream=True)
     events = list(stream)
+    for e in events:
+        STREAM_EVENT.validate_python(e.model_dump())
     types = [e.type for e in events]
     assert types[2] == "response.output_item.added" and events[2].item.type == "function_call"
     assert "response.function_call_arguments.delta" in types
@@ -289,3 +298,22 @@ def test_bad_input_over_the_websocket_mode_is_an_error_event_and_the_socket_goes
         assert error["type"] == "error" and error["status"] == 400, error
         assert (error["error"]["code"], error["error"]["param"]) == (code, param), error
     assert events[0]["type"] == "response.created"
+
+
+def test_a_client_leaving_a_stream_cancels_its_response(server):
+    import time
+
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        with http.stream("POST", server.base_url + "/responses", json={
+                "input": "Count from 1 to 500.", "max_output_tokens": 1500, "stream": True,
+                "temperature": 0}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            for line in r.iter_lines():
+                if line.startswith("data:") and "output_text.delta" in line:
+                    break
+    # 1,500 tokens would take far longer than this: the engine cancelled it
+    deadline = time.monotonic() + 8
+    while server.idle() != (0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.idle() == (0, 0.0)
