@@ -18,6 +18,14 @@ One text response streams, in this order (`sequence_number` counts from 0 per re
     response.completed | response.incomplete (incomplete_details.reason
                                 "max_output_tokens") | response.failed
 
+With tools, the message item opens with the first text, and each function call is an
+item of its own, in the order the model wrote them (`output_index` 0, 1, ...):
+
+    response.output_item.added              function_call item (arguments "", in_progress)
+    response.function_call_arguments.delta  arguments text, piece by piece
+    response.function_call_arguments.done   the whole arguments
+    response.output_item.done               function_call item (completed | incomplete)
+
 A warm-up (`generate: false`) is created, in_progress, completed with no output.
 Errors are `error` events shaped as the SDK's `ResponseWsError`: {"type": "error",
 "status": 400, "error": {"type", "code", "message", "param"}, "sequence_number"}.
@@ -31,7 +39,8 @@ from typing import Any, Literal, Union
 from msgspec import Struct
 
 __all__ = [
-    "ContentPartAdded", "ContentPartDone", "ErrorDetail", "ErrorEvent", "IncompleteDetails",
+    "ContentPartAdded", "ContentPartDone", "ErrorDetail", "ErrorEvent", "FunctionCallArgumentsDelta",
+    "FunctionCallArgumentsDone", "FunctionCallItem", "IncompleteDetails", "OutputItem",
     "InputTokensDetails", "OutputItemAdded", "OutputItemDone", "OutputMessage", "OutputText",
     "OutputTextDelta", "OutputTextDone", "OutputTokensDetails", "Response", "ResponseCompleted",
     "ResponseCreated", "ResponseFailed", "ResponseFailure", "ResponseInProgress",
@@ -58,6 +67,21 @@ class OutputMessage(Struct, tag="message", tag_field="type", kw_only=True):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(Struct, tag="function_call", tag_field="type", kw_only=True):
+    """A function call the model made: `call_id` ("call_..."; a `function_call_output`
+    input item answers it), the function's `name` and its `arguments` (a JSON text;
+    those of a call cut by max_output_tokens do not parse: status "incomplete")."""
+
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Union[OutputMessage, FunctionCallItem]
 
 
 class InputTokensDetails(Struct, kw_only=True):
@@ -98,7 +122,10 @@ class TextFormat(Struct, kw_only=True):
 
 
 class TextConfig(Struct, kw_only=True):
-    format: TextFormat
+    """`text` of the Response: its `format`, a TextFormat or the request's own
+    json_object / json_schema format (a dict, echoed)."""
+
+    format: Any
 
 
 class Response(Struct, kw_only=True):
@@ -106,7 +133,9 @@ class Response(Struct, kw_only=True):
 
     created_at / completed_at: Unix time, seconds. temperature, top_p: what sampled it
     (the request's, else the model's defaults). previous_response_id, instructions,
-    metadata, max_output_tokens, store: as the request gave them.
+    metadata, max_output_tokens, store, tools (flat function tools), tool_choice ("none",
+    "auto", "required" or {"type": "function", "name"}), parallel_tool_calls: as the
+    request gave them.
     """
 
     id: str
@@ -114,7 +143,7 @@ class Response(Struct, kw_only=True):
     created_at: float
     status: ResponseStatus
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     usage: ResponseUsage | None = None
     error: ResponseFailure | None = None
     incomplete_details: IncompleteDetails | None = None
@@ -125,7 +154,7 @@ class Response(Struct, kw_only=True):
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
     parallel_tool_calls: bool = False
-    tool_choice: Literal["none", "auto"] = "none"
+    tool_choice: Any = "none"
     tools: list[Any]
     text: TextConfig
     truncation: Literal["disabled"] = "disabled"
@@ -166,12 +195,28 @@ class ResponseFailed(_Event, tag="response.failed"):
 
 class OutputItemAdded(_Event, tag="response.output_item.added"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class OutputItemDone(_Event, tag="response.output_item.done"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
+
+
+class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
+    """New arguments text of the function call item `item_id`."""
+
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
+    """The call's whole arguments text (sent before its output_item.done)."""
+
+    item_id: str
+    output_index: int
+    arguments: str
 
 
 class ContentPartAdded(_Event, tag="response.content_part.added"):
@@ -241,4 +286,5 @@ class ErrorEvent(_Event, tag="error"):
 
 ServerEvent = Union[ResponseCreated, ResponseInProgress, ResponseCompleted, ResponseIncomplete,
                     ResponseFailed, OutputItemAdded, OutputItemDone, ContentPartAdded,
-                    ContentPartDone, OutputTextDelta, OutputTextDone, ErrorEvent]
+                    ContentPartDone, OutputTextDelta, OutputTextDone, FunctionCallArgumentsDelta,
+                    FunctionCallArgumentsDone, ErrorEvent]

@@ -1,27 +1,33 @@
 """`response.create` frames of the Responses WebSocket mode: decoded, checked, normalized.
 
-`parse_client_frame(data)` turns one client frame into a `CreateRequest` or raises
-`ResponsesError`, whose `event()` is the `error` event to send (the socket stays open).
-What Conveyor serves is the text subset of the Responses create body:
+`parse_client_frame(data)` turns one client frame of the WebSocket mode into a
+`CreateRequest`, `parse_create_body(body)` the body of `POST /v1/responses`; both raise
+`ResponsesError`, whose `event()` is the `error` event to send (the socket stays open) and
+whose `status` / `code` / `param` the HTTP route answers with. What Conveyor serves is
+the text and function-tool subset of the Responses create body:
 
-- used: `model`, `input` (a string, or message items with role user / system /
+- used: `model`, `input` (a string, or items: messages with role user / system /
   developer / assistant and `content` as a string or `input_text` / `output_text`
-  parts; `developer` becomes a `system` turn), `instructions`, `max_output_tokens`,
-  `temperature`, `top_p`, `previous_response_id`, `store`, `metadata`, `generate`,
-  `stream_id` (the WebSocket lane, echoed on the response's events), `text.format`
-  (`text`, `json_object`, or `json_schema` with `name` / `schema` / `strict`: structured
-  output, sampling constrained so the text parses and validates);
-- accepted without effect: `stream` (always streamed), `parallel_tool_calls`,
-  `max_tool_calls` (no tools), and hints with no meaning here (`user`,
+  parts, `developer` becoming a `system` turn; `function_call` and
+  `function_call_output` items, protocol/responses_tools.py), `instructions`,
+  `max_output_tokens`, `temperature`, `top_p`, `previous_response_id`, `store`,
+  `metadata`, `generate`, `stream_id` (the WebSocket lane, echoed on the response's
+  events; not over HTTP), `stream` (HTTP: SSE or one JSON body; the WebSocket mode always
+  streams), `text.format` (`text`, `json_object`, or `json_schema` with `name` / `schema`
+  / `strict`: structured output, sampling constrained so the text parses and validates),
+  `tools` (function tools, flat), `tool_choice` (none / auto / required / a function),
+  `parallel_tool_calls` (true: one or more calls; absent or false: one call, as on the
+  chat route);
+- accepted without effect: `max_tool_calls`, and hints with no meaning here (`user`,
   `safety_identifier`, `service_tier`, `prompt_cache_key`, `prompt_cache_retention`,
   `prompt_cache_options`, `stream_options`, `access_programs`, `image`), and empty or
-  default values of the unsupported ones (`tools: []`, `include: []`, `tool_choice:
-  "auto"`, `text: {"format": {"type": "text"}}`, `truncation: "disabled"`, ...);
-- refused with `unsupported_parameter` / `unsupported_value` naming the param: tools,
-  tool_choice, include, reasoning, conversation, prompt,
-  background, top_logprobs, context_management, moderation, truncation "auto", input
-  items other than messages (function calls, reasoning, item references), and content
-  parts other than text (images, files, audio);
+  default values of the unsupported ones (`include: []`, `text: {"format": {"type":
+  "text"}}`, `truncation: "disabled"`, ...);
+- refused with `unsupported_parameter` / `unsupported_value` naming the param: built-in
+  tools, include, reasoning, conversation, prompt, background, top_logprobs,
+  context_management, moderation, truncation "auto", input items other than messages
+  and function calls (reasoning, item references), and content parts other than text
+  (images, files, audio);
 - unknown fields get `unknown_parameter`, as OpenAI's API answers them.
 """
 
@@ -33,40 +39,23 @@ import msgspec
 from msgspec import Meta, Struct
 
 from protocol.messages import INT32_MAX, ChatMessage
-from protocol.responses import ErrorDetail, ErrorEvent
+from protocol.responses_error import ResponsesError
+from protocol.responses_tools import call_turns, chat_tool_choice, chat_tools
+from protocol.structured import Tool, ToolChoiceFunction
 
-__all__ = ["CreateRequest", "ResponsesError", "parse_client_frame"]
+__all__ = ["CreateRequest", "ResponsesError", "parse_client_frame", "parse_create_body"]
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
 IGNORED = frozenset({
-    "type", "stream", "parallel_tool_calls", "max_tool_calls", "user", "safety_identifier",
+    "type", "max_tool_calls", "user", "safety_identifier",
     "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
     "stream_options", "access_programs", "image", "text",
 })
 UNSUPPORTED = frozenset({
-    "tools", "tool_choice", "include", "reasoning", "conversation", "prompt", "background",
+    "include", "reasoning", "conversation", "prompt", "background",
     "background_options", "top_logprobs", "context_management", "moderation", "truncation",
 })
-
-
-class ResponsesError(Exception):
-    """An `error` event to send: HTTP-like `status`, OpenAI's error `type` and `code`,
-    `param` (the offending field, e.g. "input[0].content[1].type") or None; `stream_id`:
-    the lane of the frame it refuses, where the frame named one (None otherwise)."""
-
-    def __init__(self, message: str, *, code: str | None, param: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message, self.code, self.param = message, code, param
-        self.status, self.type = status, type
-        self.stream_id: str | None = None
-
-    def event(self, sequence_number: int = 0, stream_id: str | None = None) -> ErrorEvent:
-        return ErrorEvent(sequence_number=sequence_number, stream_id=stream_id,
-                          status=self.status,
-                          error=ErrorDetail(type=self.type, code=self.code,
-                                            message=self.message, param=self.param))
 
 
 class _Fields(Struct, kw_only=True):
@@ -85,13 +74,22 @@ class _Fields(Struct, kw_only=True):
                         Meta(max_length=16)] | None = None
     generate: bool | None = None
     stream_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    stream: bool | None = None
+    parallel_tool_calls: bool | None = None
+    tools: Any = None  # checked by protocol/responses_tools.py
+    tool_choice: Any = None
 
 
 KNOWN = frozenset(_Fields.__struct_fields__) | IGNORED | UNSUPPORTED
 
 
 class CreateRequest(Struct, kw_only=True):
-    """A checked `response.create`: `messages` are its new input items as chat turns."""
+    """A checked `response.create`: `messages` are its new input items as chat turns.
+
+    tools: the function tools (None: none); tool_choice: None (unset), "none", "auto",
+    "required" or a ToolChoiceFunction; parallel_tool_calls: several calls may follow each
+    other. stream: HTTP only (the WebSocket mode always streams).
+    """
 
     model: str | None
     messages: list[ChatMessage]
@@ -105,6 +103,10 @@ class CreateRequest(Struct, kw_only=True):
     generate: bool
     stream_id: str | None
     response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = False
+    stream: bool = True
 
 
 def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -134,10 +136,6 @@ def _check_unsupported(body: dict[str, Any]) -> None:
     for key in sorted(set(body) - KNOWN):
         raise ResponsesError(f"Unknown parameter: '{key}'.", param=key, code="unknown_parameter")
     get = body.get
-    if get("tools"):
-        raise _unsupported("tools", "tools (function calling, built-in tools)")
-    if get("tool_choice") not in (None, "none", "auto"):
-        raise _unsupported("tool_choice", "tool_choice other than 'none' or 'auto'")
     if get("include"):
         raise _unsupported("include", "include")
     reasoning = get("reasoning")
@@ -172,8 +170,12 @@ def _messages(raw: str | list[dict[str, Any]] | None) -> list[ChatMessage]:
     if isinstance(raw, str):
         return [ChatMessage("user", raw)]
     turns: list[ChatMessage] = []
+    names: dict[str, str] = {}  # call_id -> function name
     for i, item in enumerate(raw):
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            call_turns(turns, item, i, names)
+            continue
         if kind != "message":
             raise _unsupported(f"input[{i}].type", f"input items of type {kind!r}", value=True)
         role = item.get("role")
@@ -230,6 +232,12 @@ def parse_client_frame(data: str | bytes) -> CreateRequest:
         raise ResponsesError(f"We could not parse the JSON body of your request: {e}",
                              code="invalid_json") from None
     try:
+        kind = body.get("type")
+        if kind != "response.create":
+            if kind == "response.steer":
+                raise _unsupported("type", "response.steer", value=True)
+            raise ResponsesError(f"Invalid value: {kind!r}. Supported values are: "
+                                 f"'response.create'.", param="type", code="invalid_value")
         return _parse_create(body)
     except ResponsesError as e:  # the error answers on the frame's lane
         sid = body.get("stream_id")
@@ -238,13 +246,21 @@ def parse_client_frame(data: str | bytes) -> CreateRequest:
         raise
 
 
+def parse_create_body(body: Any) -> CreateRequest:
+    """The decoded JSON body of `POST /v1/responses` (no `type`; `stream` false unless
+    given; no `stream_id`, a WebSocket lane). Raises ResponsesError as
+    `parse_client_frame` does (`invalid_type` for a body that is not an object)."""
+    if not isinstance(body, dict):
+        raise ResponsesError("the body must be a JSON object", code="invalid_type")
+    if body.get("stream_id") is not None:
+        raise ResponsesError("stream_id is a lane of the WebSocket mode; over HTTP each "
+                             "request is its own response", param="stream_id",
+                             code="unsupported_parameter")
+    req = _parse_create(body)
+    return msgspec.structs.replace(req, stream=body.get("stream") is True)
+
+
 def _parse_create(body: dict[str, Any]) -> CreateRequest:
-    kind = body.get("type")
-    if kind != "response.create":
-        if kind == "response.steer":
-            raise _unsupported("type", "response.steer", value=True)
-        raise ResponsesError(f"Invalid value: {kind!r}. Supported values are: "
-                             f"'response.create'.", param="type", code="invalid_value")
     _check_unsupported(body)
     try:
         f = msgspec.convert({k: v for k, v in body.items()
@@ -257,10 +273,14 @@ def _parse_create(body: dict[str, Any]) -> CreateRequest:
         raise ResponsesError("input must hold at least one message (or continue a response "
                              "with previous_response_id)", param="input",
                              code="missing_required_parameter")
+    tools = chat_tools(f.tools)
+    choice = chat_tool_choice(f.tool_choice, tools)
     return CreateRequest(model=f.model, messages=messages, instructions=f.instructions,
                          max_output_tokens=f.max_output_tokens, temperature=f.temperature,
                          top_p=f.top_p, previous_response_id=f.previous_response_id,
                          store=True if f.store is None else f.store,
                          metadata=dict(f.metadata or {}),
                          generate=True if f.generate is None else f.generate,
-                         stream_id=f.stream_id, response_format=_response_format(body))
+                         stream_id=f.stream_id, response_format=_response_format(body),
+                         tools=tools or None, tool_choice=choice,
+                         parallel_tool_calls=f.parallel_tool_calls is True)

@@ -54,6 +54,8 @@ class ServerConfig:
     responses_max_stored, responses_max_stored_tokens: per `/v1/responses` connection,
         the most completed responses, and token ids of their contexts together (4 bytes
         each), kept for `previous_response_id`; the oldest is dropped first.
+    responses_http_max_stored, responses_http_max_stored_tokens: the same bounds for the
+        one store of `POST /v1/responses` (all its clients together).
     """
 
     host: str = option("127.0.0.1", "address to listen on")
@@ -90,6 +92,12 @@ class ServerConfig:
     responses_max_stored_tokens: int = option(
         1 << 18, "/v1/responses: token ids of the kept responses' contexts, per connection "
         "(4 bytes each)", metavar="TOKENS")
+    responses_http_max_stored: int = option(
+        1024, "POST /v1/responses: completed responses kept (all clients together) for "
+        "previous_response_id (oldest dropped first)", metavar="N")
+    responses_http_max_stored_tokens: int = option(
+        1 << 22, "POST /v1/responses: token ids of the kept responses' contexts, all "
+        "clients together (4 bytes each)", metavar="TOKENS")
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]", self.port)
@@ -121,3 +129,7 @@ class ServerConfig:
                self.responses_max_stored)
         _check(self.responses_max_stored_tokens >= 1, "responses_max_stored_tokens",
                ">= 1 tokens", self.responses_max_stored_tokens)
+        _check(self.responses_http_max_stored >= 1, "responses_http_max_stored",
+               ">= 1 responses", self.responses_http_max_stored)
+        _check(self.responses_http_max_stored_tokens >= 1, "responses_http_max_stored_tokens",
+               ">= 1 tokens", self.responses_http_max_stored_tokens)

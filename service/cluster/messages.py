@@ -13,6 +13,7 @@ from __future__ import annotations
 from msgspec import Struct
 
 from protocol import SamplingParams
+from protocol.structured import Tool, ToolChoice
 
 
 class ReplicaRequest(Struct, frozen=True, kw_only=True):
@@ -28,6 +29,12 @@ class ReplicaRequest(Struct, frozen=True, kw_only=True):
     block_hashes: [P // block_size] chained hashes of the prompt's full blocks, computed
         in the ingress process with the engine's block hash; only the router reads them
         (Python's hash of None differs between processes, so they mean nothing elsewhere).
+    tools, tool_choice, parallel_tool_calls: the request's tools, checked at the ingress
+        (the prompt ids were rendered with them); the replica's engine builds the same call
+        grammar from them, so the output is constrained as in one process. A
+        `response_format` or `structured` constraint travels in `params`.
+    tool_style: how the ingress rendered the tools ("hermes", "llama", "generic"; None:
+        no tools), so the replica parses calls in the form its prompt asked for.
     """
 
     request_id: str
@@ -37,6 +44,10 @@ class ReplicaRequest(Struct, frozen=True, kw_only=True):
     params: SamplingParams
     waited_s: float = 0.0
     block_hashes: tuple[int, ...] = ()
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = False
+    tool_style: str | None = None
 
 
 class Admitted(Struct, frozen=True):

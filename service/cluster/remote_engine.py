@@ -10,7 +10,9 @@ before anything is routed:
     params / messages / ids checked, cheap length bound, chat template + tokenizing
     in a thread pool (the engine's PromptTokenizer), prompt + max_tokens within the
     context and the KV cache, full-block hashes (the engine's KVBlockPool)
-      -> ReplicaRequest -> handle.generate (streaming; the router picks the replica)
+      -> ReplicaRequest (with the tools, tool_choice and the style they were rendered in;
+         a response_format / structured constraint in its params: the replica's engine
+         compiles the same grammar and constrains the output as one process does) -> handle.generate (streaming; the router picks the replica)
       <- Admitted (returned as the prompt length) | Error (raised as its ProtocolError)
       <- event batches, pumped into the sink by a task of the request's own
 
@@ -36,11 +38,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 from ray.exceptions import RayActorError
 
 from protocol import (Delta, Done, DuplicateId, Error, InternalError, ShuttingDown, Timings,
                       Usage, error_from_frame)
+from protocol.structured import Tool, ToolChoice
 from service.cluster.ingress_metrics import IngressMetrics
 from service.cluster.messages import Admitted, ReplicaInfo, ReplicaPin, ReplicaRequest
 from service.cluster.registry import routers_for
@@ -215,7 +219,7 @@ class RemoteEngine(EngineClient):
                 request_id=f"{self._instance}/{key}", client_id=client_id,
                 connection_id=request.connection_id, prompt_token_ids=ids, params=params,
                 waited_s=time.monotonic() - arrival,
-                block_hashes=tuple(self._hasher.block_hashes(ids)))
+                block_hashes=tuple(self._hasher.block_hashes(ids)), **self._tools(request))
             send = asyncio.ensure_future(self._send(routed))
             try:
                 gen, admitted = await asyncio.shield(send)
@@ -235,6 +239,18 @@ class RemoteEngine(EngineClient):
         self._tasks.add(live.task)
         live.task.add_done_callback(self._tasks.discard)
         return admitted.prompt_tokens
+
+    def _tools(self, request: EngineRequest) -> dict[str, Any]:
+        """The request's tools for its ReplicaRequest (checked by `prepare` already), with
+        the style the prompt was rendered in; {} without tools."""
+        if request.tools is None and request.tool_choice is None:
+            return {}
+        tools = msgspec.convert([msgspec.to_builtins(t) for t in request.tools or ()],
+                                list[Tool])
+        choice = msgspec.convert(msgspec.to_builtins(request.tool_choice), ToolChoice | None)
+        return {"tools": tools, "tool_choice": choice,
+                "parallel_tool_calls": request.parallel_tool_calls,
+                "tool_style": request.tool_style or self._admission.prompts.tool_style}
 
     def _settle(self, send: asyncio.Future) -> None:
         """The caller left while `send` (an admission) ran: let it finish; a request a

@@ -70,7 +70,10 @@ class EngineReplica:
                 prompt_token_ids=request.prompt_token_ids, params=request.params,
                 request_id=request.request_id, client_id=request.client_id,
                 arrival_time=time.monotonic() - request.waited_s,
-                connection_id=request.connection_id), sink)
+                connection_id=request.connection_id, tools=request.tools,
+                tool_choice=request.tool_choice,
+                parallel_tool_calls=request.parallel_tool_calls,
+                tool_style=request.tool_style), sink)
         except ProtocolError as e:
             yield e.to_frame()
             return

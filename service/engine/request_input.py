@@ -36,10 +36,10 @@ import msgspec
 
 from protocol import ChatMessage, InvalidRequest, SamplingParams
 from protocol.messages import TokenId
-from service.engine.constraints.tools import history_turns, template_tool_style
+from service.engine.constraints.tools import ToolPlan, history_turns, template_tool_style
 
 if TYPE_CHECKING:
-    from service.engine.constraints.tools import ToolPlan
+    from protocol.structured import Tool, ToolChoiceFunction
 
 __all__ = ["PromptTokenizer", "coerce_messages", "coerce_params", "coerce_token_ids",
            "invalid_at"]
@@ -177,6 +177,16 @@ class PromptTokenizer:
         self.max_chars_per_token = max(longest, max(map(len, self._added_texts), default=0))
         # how tools reach this template (service.engine.constraints.tools)
         self.tool_style = template_tool_style(tokenizer)
+
+    def tool_plan(self, tools: Sequence[Tool] | None,
+                  tool_choice: str | ToolChoiceFunction | None, *, parallel: bool = False,
+                  request_id: str | None = None) -> ToolPlan | None:
+        """How `tools` reach this model's prompt and output (`ToolPlan.make` in this
+        template's style): for a caller that renders the prompt itself (the Responses API's
+        chained prompts). None when no tool may be called. Raises InvalidRequest as
+        `ToolPlan.make` does."""
+        return ToolPlan.make(tools, tool_choice, self.tool_style, request_id,
+                             parallel=parallel)
 
     # ---- cheap checks, before any tokenizing --------------------------------------------
     def min_tokens(self, *, messages: Sequence[ChatMessage] | None = None,

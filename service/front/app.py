@@ -12,7 +12,8 @@
     GET  /v1/models             \\
     GET  /v1/models/{model}      | the OpenAI HTTP API (service/front/openai/)
     POST /v1/chat/completions    |
-    POST /v1/completions        /
+    POST /v1/completions         |
+    POST /v1/responses          /  (the Responses API over HTTP, beside its WebSocket mode)
 
 Every route but /health is guarded (service/front/access.py); the HTTP routes answer CORS
 (preflights, Access-Control-Allow-Origin) for the allowed Origins. `build_app` makes the same
@@ -96,10 +97,8 @@ def build_app(engine: EngineClient, config: ServerConfig,
     async def not_found(request: Request, exc: Exception) -> Response:
         path = request.url.path
         message = f"no route {path}"
-        if path in (STREAM_PATH, RESPONSES_PATH):  # plain HTTP to a WebSocket route
-            message = (f"{path} is a WebSocket route: connect to ws://HOST:PORT{path}"
-                       + (" (openai SDK: client.responses.connect()); the Responses API is "
-                          "served in WebSocket mode only" if path == RESPONSES_PATH else ""))
+        if path == STREAM_PATH:  # plain HTTP to a WebSocket route
+            message = f"{path} is a WebSocket route: connect to ws://HOST:PORT{path}"
         return OpenAIError(404, message, code="not_found").response()
 
     async def not_allowed(request: Request, exc: Exception) -> Response:

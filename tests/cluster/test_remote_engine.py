@@ -265,3 +265,98 @@ async def test_a_request_cancelled_during_admission_is_counted_where_it_was_admi
         assert _routed(engine) == {"B": 1.0} and stream.cancelled
     else:  # refused: no replica holds it, none counts it
         assert _routed(engine) == {} and not stream.cancelled
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+class FakeReplicaEngine:
+    """What EngineReplica.generate needs of its engine: add_request (recorded) and abort."""
+
+    def __init__(self) -> None:
+        self.requests: list[EngineRequest] = []
+
+    async def add_request(self, request: EngineRequest, sink) -> int:
+        self.requests.append(request)
+        sink(done(request.client_id, "tool_calls"))
+        return len(request.prompt_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+async def test_tools_and_output_constraints_reach_the_replica_and_constrain_it_there(
+        hf_tokenizer):
+    from service.cluster.replica import EngineReplica
+    from service.engine.admission import Admission
+    from service.engine.constraints.tools import ToolPlan
+
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tool_request = EngineRequest(messages=messages, params={"max_tokens": 40}, tools=[WEATHER],
+                                 tool_choice={"type": "function",
+                                              "function": {"name": "get_weather"}},
+                                 parallel_tool_calls=True, request_id="k1", client_id="r1")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    format_request = EngineRequest(messages=messages, request_id="k2", client_id="r2", params={
+        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": schema}}})
+    engine, handle = make_engine(hf_tokenizer, [
+        FakeStream([Admitted(30, "B"), [done("r1", "tool_calls")]]),
+        FakeStream([Admitted(30, "B"), [done("r2", "stop")]])])
+    await engine.add_request(tool_request, lambda e: None)
+    await engine.add_request(format_request, lambda e: None)
+    await drain(engine)
+    (routed_tools,), (routed_format,) = handle.generate.calls
+    # the ingress rendered the prompt with the tools (the generic style's system prompt)
+    pt = PromptTokenizer(hf_tokenizer, 49152)
+    plan = ToolPlan.make([msgspec_tool(WEATHER)], routed_tools.tool_choice, "generic",
+                         parallel=True)
+    assert routed_tools.prompt_token_ids == pt(messages=coerce_messages(messages), tools=plan)
+    assert [t.function.name for t in routed_tools.tools] == ["get_weather"]
+    assert routed_tools.tool_choice.function.name == "get_weather"
+    assert routed_tools.parallel_tool_calls is True and routed_tools.tool_style == "generic"
+    assert routed_format.tools is None and routed_format.tool_style is None
+    assert routed_format.params.response_format.json_schema.schema == schema
+
+    # the replica hands them to its engine, whose admission builds the same constraint
+    # as a one-process engine given the original request
+    class Replica(EngineReplica):  # no Ray, no engine start-up, no shutdown on collection
+        def __init__(self) -> None:
+            self.replica_id, self.engine = "B", FakeReplicaEngine()
+
+        def __del__(self) -> None:
+            pass
+
+    replica = Replica()
+    for routed in (routed_tools, routed_format):
+        first = [item async for item in replica.generate(routed)][0]
+        assert first == Admitted(len(routed.prompt_token_ids), "B")
+    at_replica, at_replica_format = replica.engine.requests
+    admission = Admission(hf_tokenizer, 49152, 512, 64, 16, DEFAULTS, eos_token_ids=[2])
+    try:
+        local = await admission.prepare_full(tool_request)
+        remote = await admission.prepare_full(at_replica)
+        assert remote.ids == local.ids and remote.tool_format == local.tool_format
+        assert remote.matcher is not None and local.matcher is not None
+        assert remote.params == local.params
+        remote_format = await admission.prepare_full(at_replica_format)
+        assert remote_format.matcher is not None and remote_format.tool_format is None
+        # a tool call's text is accepted by the replica's matcher, plain text is not
+        call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+        ids = hf_tokenizer.encode(call, add_special_tokens=False)
+        assert remote.matcher.validate_tokens(ids) == len(ids)
+        other = remote_format.matcher  # a fresh one: nothing consumed
+        plain = hf_tokenizer.encode("Hello there", add_special_tokens=False)
+        assert other.validate_tokens(plain) < len(plain)
+    finally:
+        admission.close()
+
+
+def msgspec_tool(raw: dict):
+    import msgspec
+
+    from protocol.structured import Tool
+
+    return msgspec.convert(raw, Tool)

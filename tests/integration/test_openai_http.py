@@ -310,8 +310,8 @@ def test_bad_completion_fields_and_http_errors(server):
     r = httpx.post(url + "/nope", headers=auth, json={})  # OpenAI's body for routing errors too
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(url + "/responses", headers=auth, json={"input": "hi"})  # HTTP Responses
-    assert r.status_code == 404 and "WebSocket mode only" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/responses", headers=auth, json={"input": "hi", "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     r = httpx.get(url + "/chat/completions", headers=auth)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     assert "POST" in r.headers["allow"]

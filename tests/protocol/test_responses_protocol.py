@@ -10,7 +10,8 @@ from openai.types.responses.responses_server_event import ResponsesServerEvent
 from pydantic import TypeAdapter
 
 from protocol import ChatMessage, encode
-from protocol.responses_request import ResponsesError, parse_client_frame
+from protocol.responses_request import ResponsesError, parse_client_frame, parse_create_body
+from protocol.structured import FunctionName, ToolChoiceFunction
 
 SERVER_EVENT = TypeAdapter(ResponsesServerEvent)
 
@@ -50,8 +51,18 @@ def test_what_the_agents_sdk_sends_with_no_tools_is_accepted() -> None:
 
 
 @pytest.mark.parametrize("fields, code, param", [
-    ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
-    ({"tool_choice": "required"}, "unsupported_parameter", "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "unsupported_value", "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "invalid_value", "tools[0].name"),
+    ({"tools": {"type": "function", "name": "f"}}, "invalid_type", "tools"),
+    ({"tools": [{"type": "function", "name": f"f{i}"} for i in range(129)]}, "invalid_value",
+     "tools"),
+    ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+    ({"tool_choice": "sometimes"}, "invalid_value", "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}],
+      "tool_choice": {"type": "function", "name": "g"}}, "invalid_value", "tool_choice.name"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "unsupported_value",
+     "tool_choice.type"),
+    ({"parallel_tool_calls": "yes"}, "invalid_value", "parallel_tool_calls"),
     ({"text": {"format": {"type": "xml"}}}, "unsupported_value", "text.format"),
     ({"reasoning": {"effort": "high"}}, "unsupported_parameter", "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "unsupported_parameter", "include"),
@@ -63,8 +74,14 @@ def test_what_the_agents_sdk_sends_with_no_tools_is_accepted() -> None:
     ({"top_p": 0}, "invalid_value", "top_p"),
     ({"max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "invalid_value", "metadata"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-     "unsupported_value", "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "unsupported_value", "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "invalid_value",
+     "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+     "invalid_type", "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "call_id": "c",
+                 "output": [{"type": "input_image", "image_url": "x"}]}]}, "invalid_value",
+     "input[0].output[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "unsupported_value", "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input[0].role"),
@@ -117,3 +134,53 @@ def test_text_format_becomes_the_engines_response_format() -> None:
     req = parse_client_frame(create(model="m", input="Hi", text={"format": {"type": "json_object"}}))
     assert req.response_format == {"type": "json_object"}
     assert parse_client_frame(create(model="m", input="Hi")).response_format is None
+
+
+def test_function_tools_and_call_items_become_the_chat_shapes() -> None:
+    req = parse_client_frame(create(
+        model="m", parallel_tool_calls=True,
+        tools=[{"type": "function", "name": "get_weather", "description": "Weather now",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                "strict": True}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "message", "role": "assistant", "content": "Let me look."},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city":"Paris"}', "id": "fc_1", "status": "completed"},
+               {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+                "arguments": '{"city":"Lyon"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+               {"type": "function_call_output", "call_id": "call_2",
+                "output": [{"type": "input_text", "text": "20 C"}]}]))
+    [tool] = req.tools
+    assert (tool.function.name, tool.function.description, tool.function.strict) == \
+        ("get_weather", "Weather now", True)
+    assert req.tool_choice == ToolChoiceFunction(function=FunctionName("get_weather"))
+    assert req.parallel_tool_calls is True
+    user, assistant, first, second = req.messages
+    assert assistant.role == "assistant" and assistant.content == "Let me look."
+    assert [(c.id, c.function.name, c.function.arguments) for c in assistant.tool_calls] == [
+        ("call_1", "get_weather", '{"city":"Paris"}'), ("call_2", "get_weather", '{"city":"Lyon"}')]
+    assert first == ChatMessage("tool", "18 C", tool_call_id="call_1", name="get_weather")
+    assert second == ChatMessage("tool", "20 C", tool_call_id="call_2", name="get_weather")
+
+
+def test_tool_choice_none_and_auto_and_defaults() -> None:
+    tools = [{"type": "function", "name": "f"}]
+    assert parse_client_frame(create(input="x", tools=tools)).tool_choice is None
+    assert parse_client_frame(create(input="x", tools=tools, tool_choice="none")).tool_choice \
+        == "none"
+    req = parse_client_frame(create(input="x", tools=tools, tool_choice="required"))
+    assert req.tool_choice == "required" and req.parallel_tool_calls is False
+
+
+def test_the_http_body_parses_without_a_type() -> None:
+    req = parse_create_body({"model": "m", "input": "Hi", "stream": True})
+    assert req.stream is True and req.messages == [ChatMessage("user", "Hi")]
+    assert parse_create_body({"input": "Hi"}).stream is False
+    with pytest.raises(ResponsesError) as info:
+        parse_create_body({"input": "Hi", "stream_id": "lane"})
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "stream_id")
+    with pytest.raises(ResponsesError) as info:
+        parse_create_body([1, 2])
+    assert info.value.code == "invalid_type" and info.value.status == 400

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 
 from protocol import ChatMessage, Delta, Done, Error, Timings, Usage, encode
 from protocol.responses_request import parse_client_frame
+from protocol.structured import FunctionCallDelta, ToolCallDelta
 from service.front.ws.outbox import Outbox
 from service.front.ws.responses.context import context_after
 from service.front.ws.responses.run import ResponseRun
@@ -82,6 +83,77 @@ def test_the_length_limit_makes_it_incomplete() -> None:
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-2].item.status == "incomplete"
+
+
+TOOLS = [{"type": "function", "name": "get_weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def piece(index: int, arguments: str, call_id: str | None = None) -> ToolCallDelta:
+    name = "get_weather" if call_id is not None else None
+    return ToolCallDelta(index=index, id=call_id, type="function" if call_id else None,
+                         function=FunctionCallDelta(name=name, arguments=arguments))
+
+
+def test_function_calls_are_items_with_argument_events() -> None:
+    frames: list[bytes] = []
+    run, _ = make_run(frames, tools=TOOLS, tool_choice="required", parallel_tool_calls=True)
+    run.start()
+    run.on_event(Delta(id="resp_1", index=0, text="", token_ids=[1, 2],
+                       tool_calls=[piece(0, '{"city":', "call_a")]))
+    run.on_event(Delta(id="resp_1", index=2, text="", token_ids=[3],
+                       tool_calls=[piece(0, '"Paris"}')]))
+    run.on_event(Delta(id="resp_1", index=3, text="", token_ids=[4],
+                       tool_calls=[piece(1, '{"city":"Lyon"}', "call_b")]))
+    run.on_event(done("tool_calls", completion=4))
+    events = parsed(frames)
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert [e.output_index for e in events[2:-1]] == [0] * 5 + [1] * 4
+    assert events[2].item.arguments == "" and events[2].item.status == "in_progress"
+    final = events[-1].response
+    assert final.status == "completed" and final.parallel_tool_calls is True
+    assert final.tool_choice == "required" and final.tools[0].name == "get_weather"
+    assert [(i.type, i.call_id, i.name, i.arguments, i.status) for i in final.output] == [
+        ("function_call", "call_a", "get_weather", '{"city":"Paris"}', "completed"),
+        ("function_call", "call_b", "get_weather", '{"city":"Lyon"}', "completed")]
+    assert events[5].arguments == '{"city":"Paris"}' and events[5].item_id == final.output[0].id
+
+
+def test_auto_with_a_plain_answer_opens_the_message_with_its_text() -> None:
+    frames: list[bytes] = []
+    run, _ = make_run(frames, tools=TOOLS)
+    run.start()
+    assert [json.loads(f)["type"] for f in frames] == ["response.created",
+                                                       "response.in_progress"]
+    run.on_event(Delta(id="resp_1", index=0, text="Hello", token_ids=[1]))
+    run.on_event(done("stop", completion=1))
+    events = parsed(frames)
+    assert [e.type for e in events] == ["response.created", "response.in_progress"] + \
+        TEXT_ORDER[2:] + ["response.output_text.delta"] + CLOSE_ORDER + ["response.completed"]
+    assert events[-1].response.output[0].content[0].text == "Hello"
+
+
+def test_a_call_cut_by_the_length_limit_is_incomplete() -> None:
+    frames: list[bytes] = []
+    run, _ = make_run(frames, tools=TOOLS, tool_choice={"type": "function",
+                                                        "name": "get_weather"})
+    run.start()
+    run.on_event(Delta(id="resp_1", index=0, text="", token_ids=[1],
+                       tool_calls=[piece(0, '{"ci', "call_a")]))
+    run.on_event(done("length", completion=1))
+    events = parsed(frames)
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert final.tool_choice.name == "get_weather"
+    [item] = final.output
+    assert (item.status, item.arguments) == ("incomplete", '{"ci')
 
 
 def test_a_warm_up_completes_without_output() -> None:

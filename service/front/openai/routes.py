@@ -1,5 +1,6 @@
 """The OpenAI HTTP routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-GET /v1/models/{model} (the SDK's `models.retrieve`).
+GET /v1/models/{model} (the SDK's `models.retrieve`), and POST /v1/responses
+(service/front/openai/responses.py, over this class's access checks and metrics).
 
 Each request: access (401 / 403) -> body (415 not `application/json`, 413 over
 `max_message_bytes`, 400 not JSON or nested too deep)
@@ -28,6 +29,7 @@ from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal
 from service.front.openai.body import log_refusal, read_json_body
 from service.front.openai.errors import OpenAIError
 from service.front.openai.request import Plan, chat_plan, check_model_name, completion_plan
+from service.front.openai.responses import ResponsesHttp
 from service.front.openai.run import Run, new_run_id
 
 CHAT_PATH = "/v1/chat/completions"
@@ -44,17 +46,20 @@ class OpenAIRoutes:
         self.access = access
         self.runs: set[Run] = set()
         self.created = int(time.time())
+        self.responses = ResponsesHttp(self)
 
     def routes(self) -> list[Route]:
         return [Route(MODELS_PATH, self.models, methods=["GET"]),
                 Route(MODELS_PATH + "/{model:path}", self.model, methods=["GET"]),
                 Route(CHAT_PATH, self.chat, methods=["POST"]),
-                Route(COMPLETIONS_PATH, self.completions, methods=["POST"])]
+                Route(COMPLETIONS_PATH, self.completions, methods=["POST"]),
+                self.responses.route()]
 
     def abort_all(self) -> None:
         """Cancel every HTTP request in flight (a forced shutdown)."""
         for run in list(self.runs):
             run.abort()
+        self.responses.abort_all()
 
     def _count(self, route: str, status: int) -> None:
         metrics = self.engine.metrics

@@ -29,13 +29,12 @@ from collections.abc import Iterable
 
 import structlog
 
-from protocol import ChatMessage, ContextLengthExceeded, Done, InvalidRequest, ProtocolError
+from protocol import Done, ProtocolError
 from protocol.responses_request import CreateRequest, ResponsesError, parse_client_frame
-from service.engine.client import EngineRequest
-from service.front.openai.errors import ERROR_TYPES
 from service.front.refusals import log_refused
 from service.front.ws.actor import SocketActor
-from service.front.ws.responses.context import build_prompt, context_after, prompt_tokenizer
+from service.front.ws.responses.admit import (admit, check_model, context_of,
+                                              from_protocol_error)
 from service.front.ws.responses.run import ResponseRun, new_response_id
 from service.front.ws.responses.store import ResponseStore
 
@@ -46,25 +45,6 @@ __all__ = ["BUSY_CODE", "ResponsesConnection", "from_protocol_error"]
 BUSY_CODE = "conversation_already_has_active_response"
 """The error code of a create sent while the lane's response is in flight (the code
 OpenAI's Realtime API documents for the same situation)."""
-
-def from_protocol_error(e: ProtocolError, req: CreateRequest) -> ResponsesError:
-    """An engine admission error as the Responses API's error: the same code, its class's
-    HTTP status (`protocol.errors`) with OpenAI's type, and the create's own field as
-    `param`."""
-    status = e.http_status
-    kind = ERROR_TYPES.get(status, "server_error")
-    param, message = None, e.message
-    if isinstance(e, ContextLengthExceeded):
-        param = "input" if e.prompt_alone or req.max_output_tokens is None \
-            else "max_output_tokens"
-        if param == "max_output_tokens":  # the engine names its own field
-            message = message.replace("max_tokens (", "max_output_tokens (")
-    elif isinstance(e, InvalidRequest) and e.param:
-        param = "text.format" if e.param.startswith("$.params.response_format") else "input"
-    code = "server_error" if e.code == "internal_error" else e.code
-    if isinstance(e, InvalidRequest):
-        code = "invalid_value"
-    return ResponsesError(message, code=code, param=param, status=status, type=kind)
 
 
 class ResponsesConnection(SocketActor):
@@ -126,10 +106,7 @@ class ResponsesConnection(SocketActor):
                 f"{self.config.max_requests_per_connection})", code="too_many_requests",
                 status=429, type="rate_limit_error")
         model = self.engine.model_name
-        if req.model is not None and req.model != model:
-            raise ResponsesError(f"The model '{req.model}' does not exist; this server serves "
-                                 f"'{model}'.", code="model_not_found", param="model",
-                                 status=404)
+        check_model(req, model)
         previous = None
         if req.previous_response_id is not None:
             previous = self.store.get(req.previous_response_id)
@@ -150,20 +127,8 @@ class ResponsesConnection(SocketActor):
     async def _admit(self, run: ResponseRun, previous, received: float) -> None:
         req, lane = run.request, run.request.stream_id
         try:
-            tokenizer = self.engine.tokenizer
-            ids, messages = await asyncio.to_thread(  # templating and tokenizing: off the loop
-                lambda: build_prompt(prompt_tokenizer(tokenizer), previous, req.instructions,
-                                     req.messages, generate=req.generate))
-            # unset (None) values are the engine's to fill: its admission holds the defaults
-            max_tokens = req.max_output_tokens if req.generate else 1
-            params = {"max_tokens": max_tokens, "temperature": req.temperature,
-                      "top_p": req.top_p}
-            if req.response_format is not None and req.generate:
-                params["response_format"] = req.response_format
-            await self.engine.add_request(EngineRequest(
-                prompt_token_ids=ids, params=params, request_id=self._key(run.id),
-                client_id=run.id, arrival_time=received, connection_id=self.conn_id),
-                run.on_event)
+            await admit(self.engine, run, previous, request_id=self._key(run.id),
+                        connection_id=self.conn_id, received=received)
         except ProtocolError as e:
             self.runs.pop(lane, None)
             refusal = from_protocol_error(e, req)
@@ -185,7 +150,6 @@ class ResponsesConnection(SocketActor):
         finally:
             self._admitting.pop(lane, None)
         # Queued: the engine's events for it come from later steps, after these.
-        run.prompt_ids, run.messages = ids, messages
         run.start()
         if self._closed:
             self.engine.abort(self._key(run.id))
@@ -195,12 +159,6 @@ class ResponsesConnection(SocketActor):
         context for `previous_response_id`."""
         if self.runs.get(run.request.stream_id) is run:
             del self.runs[run.request.stream_id]
-        if done.finish_reason not in ("stop", "length"):
-            return
-        req = run.request
-        messages = run.messages
-        if req.generate:
-            messages = messages + (ChatMessage("assistant", "".join(run.text)),)
-        output = run.output_ids if req.generate else []
-        self.store.put(context_after(run.id, run.prompt_ids, output, messages,
-                                     req.instructions, self._special_ids), store=req.store)
+        context = context_of(run, done, self.engine.tokenizer, self._special_ids)
+        if context is not None:
+            self.store.put(context, store=run.request.store)

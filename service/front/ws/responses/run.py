@@ -16,20 +16,25 @@ from collections.abc import Callable
 from msgspec import Struct
 
 from protocol import ChatMessage, Delta, Done, Error, Usage
-from protocol.responses import (ContentPartAdded, ContentPartDone, ErrorDetail, ErrorEvent,
-                                IncompleteDetails, InputTokensDetails, OutputItemAdded,
-                                OutputItemDone, OutputMessage, OutputText, OutputTextDelta,
-                                OutputTextDone, OutputTokensDetails, Response,
-                                ResponseCompleted, ResponseCreated, ResponseFailed,
-                                ResponseFailure, ResponseIncomplete, ResponseInProgress,
-                                ResponseUsage, TextConfig, TextFormat)
+from protocol.responses import (ErrorDetail, ErrorEvent, IncompleteDetails, InputTokensDetails,
+                                OutputItem, OutputTokensDetails, Response, ResponseCompleted,
+                                ResponseCreated, ResponseFailed, ResponseFailure,
+                                ResponseIncomplete, ResponseInProgress, ResponseUsage,
+                                TextConfig, TextFormat)
 from protocol.responses_request import CreateRequest
+from protocol.responses_tools import flat_tool, flat_tool_choice
+from service.front.ws.responses.items import OutputItems
 
-__all__ = ["ResponseRun", "new_response_id"]
+__all__ = ["ResponseRun", "new_response_id", "tools_active"]
 
 
 def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
+
+
+def tools_active(req: CreateRequest) -> bool:
+    """The model may call a function: tools given and tool_choice not "none"."""
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 def _usage(u: Usage, output_tokens: int) -> ResponseUsage:
@@ -48,7 +53,9 @@ class ResponseRun:
     Args:
         response_id: "resp_..."; request: the checked create; model: the served model name.
         temperature, top_p: the values it is sampled with (shown in the Response object).
-        put: the connection's outbox `put` (True when the frame was queued on its own).
+        put: where events go (the connection's outbox `put`, or the HTTP route's queue;
+            True when the event was queued on its own, False when it merged into a
+            waiting one).
         on_finish: called once with this run and the engine's Done, after the last event.
     """
 
@@ -60,17 +67,27 @@ class ResponseRun:
         self.request = request
         self.model = model
         self.temperature, self.top_p = temperature, top_p
-        self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = time.time()
         self.seq = 0
-        self.text: list[str] = []
+        self.output = OutputItems(self.emit, "msg_" + uuid.uuid4().hex)
         self.output_ids: list[int] = []
         self.error: Error | None = None
         self.finished = False
+        self.final: Response | None = None  # the Response of the terminal event
         self.prompt_ids: list[int] = []  # set when admitted
         self.messages: tuple[ChatMessage, ...] = ()  # the conversation incl. the new input
+        self.tools_key: str | None = None  # how the prompt rendered the tools (context.py)
         self._put = put
         self._on_finish = on_finish
+
+    @property
+    def text(self) -> list[str]:
+        """The message's text pieces so far."""
+        return self.output.text
+
+    @property
+    def item_id(self) -> str:
+        return self.output.message_id
 
     def emit(self, event: Struct) -> None:
         event.sequence_number = self.seq  # type: ignore[attr-defined]
@@ -78,33 +95,34 @@ class ResponseRun:
         if self._put(event):
             self.seq += 1
 
-    def response(self, status: str, *, output: list[OutputMessage] | None = None,
+    def response(self, status: str, *, output: list[OutputItem] | None = None,
                  usage: ResponseUsage | None = None, **extra) -> Response:
         req = self.request
         done = status not in ("in_progress", "queued")
+        tools = req.tools or []
+        fmt = req.response_format
+        text_format = TextFormat() if fmt is None else \
+            {"type": "json_object"} if fmt["type"] == "json_object" else \
+            {"type": "json_schema", **fmt["json_schema"]}
         return Response(
             id=self.id, created_at=self.created_at, status=status, model=self.model,  # type: ignore[arg-type]
             output=output or [], usage=usage, instructions=req.instructions,
             metadata=req.metadata, temperature=self.temperature, top_p=self.top_p,
             max_output_tokens=req.max_output_tokens,
-            previous_response_id=req.previous_response_id, tools=[],
-            text=TextConfig(format=TextFormat()), store=req.store,
+            previous_response_id=req.previous_response_id,
+            tools=[flat_tool(t) for t in tools],
+            tool_choice=flat_tool_choice(req.tool_choice, bool(tools)),
+            parallel_tool_calls=req.parallel_tool_calls,
+            text=TextConfig(format=text_format), store=req.store,
             completed_at=time.time() if done else None, **extra)
 
-    def _message(self, status: str, text: str | None) -> OutputMessage:
-        content = [] if text is None else [OutputText(text=text, annotations=[], logprobs=[])]
-        return OutputMessage(id=self.item_id, status=status, content=content)  # type: ignore[arg-type]
-
     def start(self) -> None:
-        """The opening events (the engine has queued the request)."""
+        """The opening events (the engine has queued the request). With tools the message
+        item opens with the first text (the output may be calls only)."""
         self.emit(ResponseCreated(sequence_number=0, response=self.response("in_progress")))
         self.emit(ResponseInProgress(sequence_number=0, response=self.response("in_progress")))
-        if self.request.generate:
-            self.emit(OutputItemAdded(sequence_number=0, output_index=0,
-                                      item=self._message("in_progress", None)))
-            self.emit(ContentPartAdded(sequence_number=0, item_id=self.item_id, output_index=0,
-                                       content_index=0,
-                                       part=OutputText(text="", annotations=[], logprobs=[])))
+        if self.request.generate and not tools_active(self.request):
+            self.output.open_message()
 
     def on_event(self, event: Delta | Error | Done) -> None:
         """The engine's sink for this request."""
@@ -112,11 +130,9 @@ class ResponseRun:
             if not self.request.generate:
                 return  # a warm-up's one sampled token is dropped
             self.output_ids.extend(event.token_ids)
-            if event.text:
-                self.text.append(event.text)
-                self.emit(OutputTextDelta(sequence_number=0, item_id=self.item_id,
-                                          output_index=0, content_index=0, delta=event.text,
-                                          logprobs=[]))
+            self.output.add_text(event.text)
+            if event.tool_calls:
+                self.output.add_call_pieces(event.tool_calls)
         elif isinstance(event, Error):
             self.error = event
         elif isinstance(event, Done):
@@ -128,25 +144,18 @@ class ResponseRun:
         generate = self.request.generate
         output_tokens = done.usage.completion_tokens if generate else 0
         usage = _usage(done.usage, output_tokens)
-        if reason in ("stop", "length") and not generate:
-            self.emit(ResponseCompleted(sequence_number=0,
-                                        response=self.response("completed", usage=usage)))
-        elif reason in ("stop", "length"):
-            status = "completed" if reason == "stop" else "incomplete"
-            text = "".join(self.text)
-            part = OutputText(text=text, annotations=[], logprobs=[])
-            ids = dict(item_id=self.item_id, output_index=0, content_index=0)
-            self.emit(OutputTextDone(sequence_number=0, text=text, logprobs=[], **ids))
-            self.emit(ContentPartDone(sequence_number=0, part=part, **ids))
-            item = self._message(status, text)
-            self.emit(OutputItemDone(sequence_number=0, output_index=0, item=item))
-            if reason == "stop":
-                self.emit(ResponseCompleted(sequence_number=0, response=self.response(
-                    "completed", output=[item], usage=usage)))
+        if reason in ("stop", "length", "tool_calls") and not generate:
+            self._end(ResponseCompleted, self.response("completed", usage=usage))
+        elif reason in ("stop", "length", "tool_calls"):
+            self.output.close_all(complete=reason != "length")
+            items = list(self.output.items)
+            if reason != "length":
+                self._end(ResponseCompleted, self.response(
+                    "completed", output=items, usage=usage))
             else:
-                self.emit(ResponseIncomplete(sequence_number=0, response=self.response(
-                    "incomplete", output=[item], usage=usage,
-                    incomplete_details=IncompleteDetails(reason="max_output_tokens"))))
+                self._end(ResponseIncomplete, self.response(
+                    "incomplete", output=items, usage=usage,
+                    incomplete_details=IncompleteDetails(reason="max_output_tokens")))
         else:
             if reason == "error":
                 message = self.error.message if self.error is not None else "the engine failed"
@@ -155,7 +164,11 @@ class ResponseRun:
             else:
                 message = "the response was cancelled (the server is shutting down or the " \
                           "connection closed)"
-            self.emit(ResponseFailed(sequence_number=0, response=self.response(
+            self._end(ResponseFailed, self.response(
                 "failed", usage=usage,
-                error=ResponseFailure(code="server_error", message=message))))
+                error=ResponseFailure(code="server_error", message=message)))
         self._on_finish(self, done)
+
+    def _end(self, kind: type, response: Response) -> None:
+        self.final = response
+        self.emit(kind(sequence_number=0, response=response))

@@ -30,12 +30,14 @@ class StoredResponse:
     instructions: the instructions the context was rendered with (None: none).
     token_ids: [T] int32, the prompt + output token ids the engine processed, ending
         right after the last message's content (no end-of-turn token).
+    tools_key: how the prompt rendered the tools (`context.tools_key`; None: no tools).
     """
 
     id: str
     messages: tuple[ChatMessage, ...]
     instructions: str | None
     token_ids: array
+    tools_key: str | None = None
 
     @property
     def num_tokens(self) -> int:
