@@ -44,9 +44,7 @@ def _ttfts(loaded, model: str | None, bf16: str, warm: bool, prompt_tokens: int,
                           scheduler=SchedulerConfig(max_num_batched_tokens=batched))
     start = time.perf_counter()
     runner = ModelRunner(config, loaded)
-    if not warm:
-        runner._warm_buckets = lambda: None  # type: ignore[method-assign]
-    runner.measure_rates()
+    runner.measure_rates(buckets=warm)
     ready_s = time.perf_counter() - start
     llm = LLM(config=config, runner=runner)
     text = text_tokens(loaded, prompt_tokens + 13 * prompts)
