@@ -29,7 +29,7 @@ import torch
 from protocol import SamplingParams
 from service.bench.engine_runs import text_tokens
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from service.llm import LLM
+from service.engine.llm import LLM
 from service.worker.loader import load_model
 from service.worker.model_runner import ModelRunner
 from service.worker.quantization.paths import machine_note
