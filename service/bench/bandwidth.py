@@ -10,7 +10,7 @@ The bandwidth is torch's `x.sum()` over 256 MiB of float32 with the threads the 
 uses, 10 times: a plain streaming read, the same kind of traffic as a GEMV over packed
 weights. The best of the 10 gives the bound (the strict one); the median is stated beside
 it, as single reads vary on a shared host. Neither is what a step's own pattern of reads
-gets: on the Zen 4 of session 21, in minutes when this read 48-51 GB/s, a plain cold read
+gets: on the Zen 4 of 2026-12-05 (commit 16fdc9c), in minutes when this read 48-51 GB/s, a plain cold read
 of a step's packed weights split as its 121 calls split them ran at 23-33 GB/s. It moves
 with the machine's load (a shared host's neighbours), so the benchmark measures it before
 and after its runs and states both.

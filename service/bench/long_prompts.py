@@ -29,7 +29,7 @@ import torch
 from protocol import SamplingParams
 from service.bench.engine_runs import text_tokens
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from service.llm import LLM
+from service.engine.llm import LLM
 from service.worker.loader import load_model
 from service.worker.model_runner import ModelRunner
 from service.worker.quantization.paths import machine_note
@@ -44,9 +44,7 @@ def _ttfts(loaded, model: str | None, bf16: str, warm: bool, prompt_tokens: int,
                           scheduler=SchedulerConfig(max_num_batched_tokens=batched))
     start = time.perf_counter()
     runner = ModelRunner(config, loaded)
-    if not warm:
-        runner._warm_buckets = lambda: None  # type: ignore[method-assign]
-    runner.measure_rates()
+    runner.measure_rates(buckets=warm)
     ready_s = time.perf_counter() - start
     llm = LLM(config=config, runner=runner)
     text = text_tokens(loaded, prompt_tokens + 13 * prompts)

@@ -217,7 +217,11 @@ class Admission:
     def _constraint(self, params: SamplingParams, plan: ToolPlan | None,
                     client_id: str) -> GrammarSource | None:
         """The grammar the output must follow (tools, or params' response_format /
-        structured), shape-checked; None when the output is free."""
+        structured), shape-checked; None when the output is free. A request that names no
+        constraint and no tools never reaches the grammar code (as `_tool_plan` returns at
+        once without tools)."""
+        if plan is None and params.response_format is None and params.structured is None:
+            return None
         own = grammar_of_params(params, client_id)
         if plan is not None and own is not None:
             raise InvalidRequest("a JSON response_format or `structured` cannot be combined "

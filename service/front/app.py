@@ -37,6 +37,7 @@ from service.config import ServerConfig
 from service.engine.client import EngineClient
 from service.front.access import WWW_AUTHENTICATE, AccessPolicy, refusal
 from service.front.openai.errors import OpenAIError
+from service.front.openai.responses import ResponsesHttp
 from service.front.openai.routes import OpenAIRoutes
 from service.front.ws.responses import ResponsesConnection
 from service.front.ws.routes import SocketRoutes
@@ -55,6 +56,7 @@ class Front:
     app: Starlette
     sockets: SocketRoutes
     openai: OpenAIRoutes
+    responses_http: ResponsesHttp
 
     def abort_all(self) -> None:
         """Cancel every request of every socket and HTTP request (a drain's last resort;
@@ -62,6 +64,7 @@ class Front:
         for conn in list(self.sockets.connections):
             conn.abort_all()
         self.openai.abort_all()
+        self.responses_http.abort_all()
 
 
 def build_app(engine: EngineClient, config: ServerConfig,
@@ -70,6 +73,7 @@ def build_app(engine: EngineClient, config: ServerConfig,
     access = AccessPolicy(config.api_key, config.allowed_origins)
     sockets = SocketRoutes(engine, config, access, refuse_while_draining)
     openai = OpenAIRoutes(engine, config, access)
+    responses_http = ResponsesHttp(openai)  # POST /v1/responses, over the OpenAI routes' parts
 
     def guarded(request: Request) -> Response | None:
         refused = refusal(access, request.headers, request.url.query, request.url.path)
@@ -116,7 +120,7 @@ def build_app(engine: EngineClient, config: ServerConfig,
     routes = [Route("/health", health), Route("/metrics", metrics),
               Route("/", chat_page), Route("/index.html", chat_page),
               WebSocketRoute(STREAM_PATH, stream), WebSocketRoute(RESPONSES_PATH, responses),
-              *openai.routes()]
+              *openai.routes(), responses_http.route()]
     # CORS for browser pages calling the HTTP routes (a WebSocket needs none): the Origins
     # --allowed-origins lists, every one when it lists none (as the guard allows), preflights
     # answered before the guard (they carry no key); the guard still refuses other Origins.
@@ -124,4 +128,4 @@ def build_app(engine: EngineClient, config: ServerConfig,
                       allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
     app = Starlette(routes=routes, middleware=[cors],
                     exception_handlers={404: not_found, 405: not_allowed})
-    return Front(app, sockets, openai)
+    return Front(app, sockets, openai, responses_http)

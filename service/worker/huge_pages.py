@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,18 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return t
 
 
-_ARENAS: dict[int, int] = {}
-"""Storage address -> its bytes, of each arena advised here. An entry outlives its arena: a
-later allocation of the same address and size would be taken for one, which costs that
-memory its move to huge pages (advice), nothing else; a few ints a packed layer."""
+_ARENAS: dict[int, tuple[int, StorageWeakRef]] = {}
+"""Storage address -> (its bytes, a weak reference to it), of each arena advised here. The
+arena's memory is torch's storage, freed with its last tensor (views included; the weak
+reference does not hold it); its entry goes with it: dropped when looked up expired, and
+every expired one when an arena is made, so the table holds the live arenas only and a
+later allocation at a freed arena's address is never taken for one."""
+
+
+def _prune_arenas() -> None:
+    """Drop the entries of arenas whose storage is freed."""
+    for address in [a for a, (_, ref) in _ARENAS.items() if ref.expired()]:
+        del _ARENAS[address]
 
 
 def empty_on_huge_pages(specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
@@ -138,9 +147,10 @@ def empty_on_huge_pages(specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
     root = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # slack to start on a 2 MiB page
     skip = (-root.data_ptr()) % HUGE_PAGE
     arena = root[skip:skip + total]
+    _prune_arenas()
     if advise_huge_pages(arena):
         storage = root.untyped_storage()
-        _ARENAS[storage.data_ptr()] = storage.nbytes()
+        _ARENAS[storage.data_ptr()] = (storage.nbytes(), StorageWeakRef(storage))
     return [arena[off:off + n].view(dtype).view(shape)
             for (shape, dtype), off, n in zip(specs, offsets, sizes)]
 
@@ -148,7 +158,14 @@ def empty_on_huge_pages(specs: Sequence[tuple[tuple[int, ...], torch.dtype]],
 def on_huge_pages(t: torch.Tensor) -> bool:
     """Whether `t` lives in an arena of ``empty_on_huge_pages`` whose advice was taken."""
     storage = t.untyped_storage()
-    return _ARENAS.get(storage.data_ptr()) == storage.nbytes()
+    entry = _ARENAS.get(storage.data_ptr())
+    if entry is None:
+        return False
+    nbytes, ref = entry
+    if ref.expired():  # an arena freed, and this a new allocation at its address
+        del _ARENAS[storage.data_ptr()]
+        return False
+    return nbytes == storage.nbytes()
 
 
 def slots_on_huge_pages(like: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:

@@ -184,3 +184,47 @@ def weights_need(config: object, blocks: object | None, embedding_bytes: int = 0
     firsts = [b for (i, _), b in layers.items() if i in (0, None)]
     transient = sum(4 * b.out_features * b.in_features for b in firsts)
     return resident, transient
+
+
+def served_need(hf_config: object, blocks: object | None, embedding_bytes: int,
+                dtype_bytes: int, kv_dtype_bytes: int, block_size: int, num_kv_blocks: int,
+                kv_cache_memory: int, swap_space_gib: float) -> MemoryNeed:
+    """What a runner serving `hf_config` needs: its weights (`weights_need`; dense ones
+    scaled from fp32 to `dtype_bytes` a weight), the KV cache (`num_kv_blocks` blocks of
+    `block_size` tokens, or as many as `kv_cache_memory` bytes hold, at least 2, at
+    `kv_dtype_bytes` an element) and the swap space (`swap_space_gib` GiB, whole blocks)."""
+    c = hf_config
+    heads = c.num_attention_heads  # type: ignore[attr-defined]
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads  # type: ignore[attr-defined]
+    per_block = (2 * c.num_hidden_layers * c.num_key_value_heads  # type: ignore[attr-defined]
+                 * head_dim * kv_dtype_bytes * block_size)
+    kv = per_block * num_kv_blocks if num_kv_blocks else \
+        per_block * max(2, kv_cache_memory // per_block)
+    dtype_scale = 1 if blocks is not None else dtype_bytes / 4
+    weights, transient = weights_need(c, blocks, embedding_bytes)
+    return MemoryNeed(int(weights * dtype_scale), kv,
+                      int(swap_space_gib * (1 << 30)) // per_block * per_block,
+                      int(transient * dtype_scale))
+
+
+def bf16_copy_fits(need: MemoryNeed, blocks: object, model: str, *, any_share: bool = False,
+                   available: int | None = None, source: str = "") -> tuple[bool, str]:
+    """(whether a bf16 copy of a GGUF file's decoder-layer `blocks` (16 bits a weight: 1.9 GiB
+    at Llama-3.2-1B's shape, 13 GiB at 8B's) fits beside `need` and, unless `any_share`,
+    takes at most BF16_COPY_SHARE of the available memory (``available_memory`` by default);
+    why not)."""
+    layers = blocks.layers.items()  # type: ignore[attr-defined]
+    copy = 2 * sum(b.out_features * b.in_features for (i, _), b in layers if i is not None)
+    if available is None:
+        available, source = available_memory()
+    try:
+        check_fits(MemoryNeed(need.weights + copy, need.kv_cache, need.swap_space,
+                              need.transient), model, available=available, source=source)
+    except ModelDoesNotFit as e:
+        return False, (f"their bf16 copy ({copy / GiB:.2f} GiB) does not fit beside them "
+                       f"({e})")
+    if not any_share and available is not None and copy > BF16_COPY_SHARE * available:
+        return False, (f"their bf16 copy ({copy / GiB:.2f} GiB) would take more than "
+                       f"{round(100 * BF16_COPY_SHARE)}% of the {available / GiB:.2f} GiB "
+                       f"available ({source}); --cpu-bf16-compute on takes it wherever it fits")
+    return True, ""

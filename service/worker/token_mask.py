@@ -7,7 +7,7 @@ llguidance and xgrammar write), and `apply_token_masks_` sets every disallowed l
 those rows to -inf with one unpack and one masked fill over the constrained rows only.
 An unconstrained row is never read or written here: its cost stays the sampler's.
 
-This is a separate step before sampling (`ModelRunner._forward_and_sample`), after the
+This is a separate step before sampling (`SamplingStep.sample`), after the
 forward (fused or not) and before temperature / top-k / top-p / min-p, so the sampler
 draws only among the allowed tokens and greedy picks the best allowed one.
 """

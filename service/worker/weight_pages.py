@@ -8,7 +8,7 @@ stream across a page boundary, starts over. Copied into one arena advised to 2 M
 Measured on a 2-core Zen 4 (2026-12-04, C++ harness, 120 one-row q4_1 calls of SmolLM2's
 shapes over random weights, alternating 15 rounds): 4 KiB pages 2.30-2.48 ms, the arena
 2.03 ms (1.12-1.20x by round's median); in the real step, two engines alternating 10
-rounds, one decode 1.16x (median) and 16 decodes 0.99x. On a 2-core Zen 3 (session 14) the
+rounds, one decode 1.16x (median) and 16 decodes 0.99x. On a 2-core Zen 3 (2026-12-02, commit abb5aec) the
 same arena gave 1.007x: it is advice that costs a copy at start-up (233 MB in 0.44 s for the
 default GGUF; 4 bytes a weight where fp32 C++ paths serve decode, as in the batch-invariant
 fp32 mode), not a guarantee.

@@ -1,4 +1,4 @@
-"""The decode-only way of building a step's inputs (ModelRunner._prepare_decodes) gives the
+"""The decode-only way of building a step's inputs (`step_inputs.prepare_decodes`) gives the
 same tensors, attention plan included, as the general one, for both decode kernels."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from protocol import SamplingParams
 from service.core.scheduler_output import ScheduledSequence
 from service.worker.model_runner import ModelRunner
+from service.worker.step_inputs import prepare_decodes, prepare_general
 
 pytestmark = pytest.mark.model
 
@@ -51,7 +52,7 @@ def test_decode_steps_build_the_same_inputs_both_ways(loaded_model, small_config
             blocks = [free.pop() for _ in range(computed // bs + 1)]
             seqs.append(ScheduledSequence(f"r{b}", [rng.randrange(1000)], computed, blocks,
                                           b % 3 != 1, SamplingParams()))
-        fast = runner._prepare_decodes(seqs)
-        general = runner._prepare_general(seqs)
+        fast = prepare_decodes(seqs, bs, runner.ops, runner.device)
+        general = prepare_general(seqs, bs, runner.ops, runner.device)
         for name, x, y in zip(("ids", "positions", "meta", "logits_indices"), fast, general):
             _same(x, y, f"batch {batch}: {name}")

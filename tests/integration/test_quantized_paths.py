@@ -13,6 +13,7 @@ from service.worker.gguf_weights import linear_weights_of
 from service.worker.quantization.isa import int8_isa
 from service.worker.quantization.paths import PATHS
 from service.worker.quantization.plan import LinearPlan
+from service.worker.warmup import calibrate
 from tests.integration.test_int8 import CLASSES, PROMPTS, TEXT, _check_follows_plan
 
 # (cosine mean, argmax agreement) each forced path must reach against fp32 on TEXT (66 tokens,
@@ -85,7 +86,7 @@ def test_every_path_forced_on_every_layer(loaded_model, text_logits, tokenizer, 
     natives = linear_weights_of(loaded_model, keep=True).native if path.native else {}
     plan = LinearPlan(path.mode, False, {c: (name,) * 4 for c in CLASSES}, natives=natives)
     smooth = plan.smoothed_classes()
-    observed = runner.calibrate() if smooth else None
+    observed = calibrate(runner) if smooth else None
     runner.model.quantize(plan.make_linear, None if path.mode == "none" else path.mode,
                           observed, smooth)
     _check_follows_plan(runner.model, plan)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from service.worker import model_runner
+from service.worker import memory_fit, model_runner
 from service.worker.memory_fit import BF16_COPY_SHARE, GiB, MemoryNeed, ModelDoesNotFit
 from service.worker.model_runner import ModelRunner
 
@@ -37,8 +37,8 @@ def memory(monkeypatch):
         if need.total > state["available"]:
             raise ModelDoesNotFit(f"{name} needs {need.total}")
 
-    monkeypatch.setattr(model_runner, "check_fits", check_fits)
-    monkeypatch.setattr(model_runner, "available_memory",
+    monkeypatch.setattr(memory_fit, "check_fits", check_fits)
+    monkeypatch.setattr(memory_fit, "available_memory",
                         lambda: (state["available"], "MemAvailable"))
     monkeypatch.setattr(model_runner, "bf16_hardware", lambda: "AVX512-BF16")
     return state

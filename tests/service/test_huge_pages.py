@@ -80,6 +80,33 @@ def test_an_arena_is_known_while_it_lives() -> None:
     assert not huge_pages.on_huge_pages(torch.empty(1 << 22, dtype=torch.uint8))
 
 
+@pytest.mark.skipif(sys.platform != "linux" or _thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are off or absent here")
+def test_an_arena_leaves_the_table_with_its_last_tensor() -> None:
+    def expired() -> int:
+        return sum(ref.expired() for _, ref in huge_pages._ARENAS.values())
+
+    slots = huge_pages.empty_on_huge_pages([((3, 1 << 20), torch.uint8), ((5,), torch.int8)])
+    address = slots[0].untyped_storage().data_ptr()
+    _, ref = huge_pages._ARENAS[address]
+    kept = slots[1].view(torch.uint8)[1:]  # a view of a view holds the arena too
+    del slots
+    assert huge_pages.on_huge_pages(kept) and not ref.expired()
+    del kept  # the last tensor: torch frees the arena's memory
+    assert ref.expired() and expired() >= 1
+    others = huge_pages.empty_on_huge_pages([((3 << 20,), torch.uint8)])  # prunes the freed
+    assert expired() == 0 and huge_pages._ARENAS.get(address, (0, None))[1] is not ref
+    assert all(huge_pages.on_huge_pages(t) for t in others)
+    del others
+    assert expired() == 1
+    # a lookup at a freed arena's address drops its entry
+    freed = next(a for a, (_, r) in huge_pages._ARENAS.items() if r.expired())
+    probe = torch.empty(8)
+    huge_pages._ARENAS[probe.untyped_storage().data_ptr()] = huge_pages._ARENAS.pop(freed)
+    assert not huge_pages.on_huge_pages(probe) and expired() == 0
+
+
+
 def test_packed_blocks_are_written_on_huge_pages() -> None:
     from kernels.gguf_pack_cpu import build_problem
     from service.worker.gguf_weights import RawBlocks

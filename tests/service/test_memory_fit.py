@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from types import SimpleNamespace
+
 from service.worker.memory_fit import (GiB, MemoryNeed, ModelDoesNotFit, cgroup_room,
-                                       check_fits, dense_bytes)
+                                       check_fits, dense_bytes, served_need)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +74,23 @@ def _memory_cgroup() -> Path | None:
     except OSError:
         return None
     return path
+
+
+def test_served_need_counts_the_cache_and_swap_in_whole_blocks() -> None:
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64; 16-token blocks of fp32 K and V
+    cfg = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                          tie_word_embeddings=True)
+    per_block = 2 * 30 * 3 * 64 * 4 * 16  # 737,280 bytes
+    need = served_need(cfg, None, 0, 4, 4, 16, 0, 10 * per_block + 5, 0.001)
+    assert need.kv_cache == 10 * per_block
+    assert need.swap_space == int(0.001 * GiB) // per_block * per_block == per_block
+    assert need.weights == need.transient == dense_bytes(cfg, 4)
+    half = served_need(cfg, None, 0, 2, 2, 16, 7, 0, 0)  # bf16 weights and cache, 7 blocks
+    assert half.kv_cache == 7 * per_block // 2 and half.swap_space == 0
+    assert half.weights == dense_bytes(cfg, 4) // 2
+    # a cache smaller than two blocks is two
+    assert served_need(cfg, None, 0, 4, 4, 16, 0, 1, 0).kv_cache == 2 * per_block
 
 
 def test_a_server_under_a_memory_limit_below_the_model_refuses_at_start() -> None:

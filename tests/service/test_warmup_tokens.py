@@ -1,4 +1,4 @@
-"""service.worker.model_runner.warmup_tokens: the start-up prefill steps shrink with the
+"""service.worker.warmup.warmup_tokens: the start-up prefill steps shrink with the
 model (128 tokens at the 8B shape took minutes on 2 cores), never below one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from service.worker.model_runner import WARMUP_MACS, warmup_tokens
+from service.worker.warmup import WARMUP_MACS, warmup_tokens
 
 
 def _config(heads: int, kv: int, hidden: int, ffn: int, layers: int, **kw) -> SimpleNamespace:

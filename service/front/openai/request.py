@@ -1,4 +1,6 @@
-"""An OpenAI request body -> what to ask the engine, checked field by field (pure).
+"""An OpenAI request body -> what to ask the engine, checked field by field (pure): the
+fields both routes share, their structured output, and the chat body (`chat_plan`); the
+legacy completions body is `service.front.openai.completions`.
 
 Served (OpenAI's names; the engine checks every value's range as the wire does):
     both:  model (absent or the served name), max_tokens, temperature, top_p, seed,
@@ -13,38 +15,52 @@ Served (OpenAI's names; the engine checks every value's range as the wire does):
            content a string or a list of {"type": "text", "text"} parts; a tool message's
            tool_call_id is accepted, the content alone rendered),
            max_completion_tokens, tools, tool_choice, parallel_tool_calls (assistant turns
-           may carry `tool_calls`, tool turns `tool_call_id`; `service.front.openai.structured`);
-           vLLM's echo (the last message's content before the answer when it is the
-           assistant's), continue_final_message and add_generation_prompt (not both true)
-    structured output (both): response_format, vLLM's structured_outputs and guided_*
-    completions: prompt (a string, a list of strings, token ids, a list of token-id
-           lists; each prompt gets n choices), echo, best_of (= n)
-    logprobs: chat `logprobs` (a boolean) + `top_logprobs` (0..20, needs logprobs);
-           completions `logprobs` (an integer 0..20; OpenAI's own cap is 5, vLLM's 20),
-           with `echo` the prompt tokens' too (lm-eval's loglikelihood requests). Values
-           are the model's raw distribution (`protocol.SamplingParams`).
+           may carry `tool_calls`, tool turns `tool_call_id`), vLLM's echo (the last
+           message's content before the answer when it is the assistant's),
+           continue_final_message and add_generation_prompt (not both true)
+    logprobs: chat `logprobs` (a boolean) + `top_logprobs` (0..20, needs logprobs).
+           Values are the model's raw distribution (`protocol.SamplingParams`).
+
+Structured output (both routes), one source per request:
+    response_format            OpenAI's {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs         vLLM's {"json": schema, "json_object": true, "regex": ...,
+                               "choice": [...], "grammar": ...}
+    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older names for them
+They become the engine's `response_format` / `structured` params, checked there (a bad
+schema or regex is a 400 naming the field the client sent).
+
+Tools (chat only): `tools`, `tool_choice` ("none", "auto", "required", {"type": "function",
+"function": {"name"}}) and `parallel_tool_calls` (true: several calls may follow each
+other; absent or false: one call, llama.cpp's default), handed to the engine
+(`service.engine.constraints.tools`).
+
 Refused with 400 naming the field: functions, function_call, suffix, audio, modalities,
 prediction, web_search_options, and any unknown field.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import MAX_LOGPROBS
 from service.front.openai.errors import OpenAIError, bad
-from service.front.openai.structured import STRUCTURED_FIELDS, TOOL_FIELDS, structured_fields, tool_fields
 
 MAX_N = 16
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user", "stream",
-           "stream_options", "top_k", "min_p", "ignore_eos", "priority", "stop_token_ids",
-           "presence_penalty", "frequency_penalty", "logprobs", "metadata", "store",
-           "service_tier", "repetition_penalty", "logit_bias", "min_tokens",
-           "prompt_logprobs", "return_token_ids"} | STRUCTURED_FIELDS
-_CHAT = _COMMON | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "echo",
-                                 "continue_final_message", "add_generation_prompt"}
-_COMPLETIONS = _COMMON | {"prompt", "echo", "best_of"}
+_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+            "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = {"response_format", "structured_outputs", *_ALIASES,
+                     "guided_decoding_backend"}
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
+_SO_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
+                 "stream", "stream_options", "top_k", "min_p", "ignore_eos", "priority",
+                 "stop_token_ids", "presence_penalty", "frequency_penalty", "logprobs",
+                 "metadata", "store", "service_tier", "repetition_penalty", "logit_bias",
+                 "min_tokens", "prompt_logprobs", "return_token_ids"} | STRUCTURED_FIELDS
+_CHAT = COMMON_FIELDS | TOOL_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
+                                       "echo", "continue_final_message", "add_generation_prompt"}
 _UNSUPPORTED = {"functions", "function_call", "suffix", "audio", "modalities",
                 "prediction", "web_search_options", "reasoning_effort", "verbosity"}
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -87,7 +103,10 @@ class Plan:
         return len(self.prompts) * self.n
 
 
-def _type(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
+def typed_field(body: dict, name: str, types: type | tuple[type, ...], what: str) -> Any:
+    """body[name], or None when absent or null. Raises OpenAIError 400 `invalid_type`
+    naming the field when it is not of `types` (a boolean is no number); `what` names
+    the type in the message."""
     value = body.get(name)
     if value is None:
         return None
@@ -98,7 +117,10 @@ def _type(body: dict, name: str, types: type | tuple[type, ...], what: str) -> A
     return value
 
 
-def _check_fields(body: Any, allowed: set[str]) -> dict:
+def check_fields(body: Any, allowed: set[str]) -> dict:
+    """`body` as a dict. Raises OpenAIError 400: not an object (`invalid_json`), a field
+    this server does not serve (`unsupported_parameter`), one not in `allowed`
+    (`unknown_parameter`)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code="invalid_json")
     for name in body:
@@ -116,25 +138,28 @@ def check_model_name(model: str, served: str) -> None:
                           f"{served!r}", param="model", code="model_not_found")
 
 
-def _check_model(body: dict, served: str) -> None:
-    model = _type(body, "model", str, "a string")
+def check_model(body: dict, served: str) -> None:
+    """The body's `model`, absent or the served name (`check_model_name`)."""
+    model = typed_field(body, "model", str, "a string")
     if model is not None:
         check_model_name(model, served)
 
 
-def _common(body: dict, params: dict[str, Any], renames: dict[str, str]
-            ) -> tuple[int, bool, bool, bool]:
+def common_fields(body: dict, params: dict[str, Any], renames: dict[str, str]
+                  ) -> tuple[int, bool, bool, bool]:
+    """The fields both routes share into `params` (SamplingParams fields); returns (n,
+    stream, include_usage, continuous_usage). Raises OpenAIError 400 naming the field."""
     for name in ("temperature", "top_p", "min_p"):
-        v = _type(body, name, (int, float), "a number")
+        v = typed_field(body, name, (int, float), "a number")
         if v is not None:
             params[name] = float(v)
     for name in ("top_k", "seed", "priority", "max_tokens"):
-        v = _type(body, name, int, "an integer")
+        v = typed_field(body, name, int, "an integer")
         if v is not None:
             params[name] = v
     if body.get("top_k") == -1:  # vLLM's "off"
         params["top_k"] = 0
-    v = _type(body, "ignore_eos", bool, "a boolean")
+    v = typed_field(body, "ignore_eos", bool, "a boolean")
     if v is not None:
         params["ignore_eos"] = v
     stop = body.get("stop")
@@ -151,16 +176,16 @@ def _common(body: dict, params: dict[str, Any], renames: dict[str, str]
             raise bad("stop_token_ids", "stop_token_ids must be a list of integers", "invalid_type")
         params["stop_token_ids"] = ids
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = _type(body, name, (int, float), "a number")
+        v = typed_field(body, name, (int, float), "a number")
         if v is not None:
             params[name] = float(v)
-    v = _type(body, "min_tokens", int, "an integer")
+    v = typed_field(body, "min_tokens", int, "an integer")
     if v is not None:
         params["min_tokens"] = v
-    bias = _type(body, "logit_bias", dict, "an object of token ids to numbers")
+    bias = typed_field(body, "logit_bias", dict, "an object of token ids to numbers")
     if bias is not None:
         params["logit_bias"] = _logit_bias(bias)
-    v = _type(body, "prompt_logprobs", int, "an integer")
+    v = typed_field(body, "prompt_logprobs", int, "an integer")
     if v is not None:
         if not 0 <= v <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
@@ -168,13 +193,13 @@ def _common(body: dict, params: dict[str, Any], renames: dict[str, str]
         if body.get("stream"):
             raise bad("prompt_logprobs", "prompt_logprobs is not available with stream: true")
         params["prompt_logprobs"] = v
-    _type(body, "return_token_ids", bool, "a boolean")
-    _type(body, "user", str, "a string")
-    n = _type(body, "n", int, "an integer")
+    typed_field(body, "return_token_ids", bool, "a boolean")
+    typed_field(body, "user", str, "a string")
+    n = typed_field(body, "n", int, "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_N:
         raise bad("n", f"n must be in [1, {MAX_N}], got {n}")
-    stream = bool(_type(body, "stream", bool, "a boolean"))
+    stream = bool(typed_field(body, "stream", bool, "a boolean"))
     options = body.get("stream_options")
     include_usage = continuous = False
     if options is not None:
@@ -207,6 +232,87 @@ def _logit_bias(bias: dict) -> dict[int, float]:
     return out
 
 
+def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str]) -> None:
+    """Put the body's constraint into `params` (and where its errors point into
+    `renames`). Raises OpenAIError 400 for a malformed or doubled constraint."""
+    given: dict[str, tuple[str, Any]] = {}  # our key -> (the client's field, value)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise bad("response_format", "response_format must be an object with a `type`",
+                      "invalid_type")
+        if fmt["type"] != "text":
+            given["response_format"] = ("response_format", fmt)
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("structured_outputs", "structured_outputs must be an object",
+                      "invalid_type")
+        unknown = sorted(k for k, v in so.items() if k not in _SO_KEYS and v is not None
+                         and k not in ("disable_any_whitespace", "disable_additional_properties",
+                                       "whitespace_pattern", "backend"))
+        if unknown:
+            raise bad(f"structured_outputs.{unknown[0]}",
+                      f"structured_outputs.{unknown[0]} is not supported", "unsupported_parameter")
+        for k in _SO_KEYS:
+            if so.get(k) is not None and so.get(k) is not False:
+                given[k] = (f"structured_outputs.{k}", so[k])
+    for old, k in _ALIASES.items():
+        if body.get(old) is not None:
+            given[k if k not in given else old] = (old, body[old])
+    if len(given) > 1:
+        names = [field for field, _ in given.values()]
+        raise bad(names[1], f"only one output constraint per request: {', '.join(names)}")
+    if not given:
+        return
+    (key, (field, value)), = given.items()
+    if key == "response_format":
+        params["response_format"] = value
+        renames["response_format"] = "response_format"
+    elif key == "json_object":
+        params["response_format"] = {"type": "json_object"}
+        renames["response_format"] = field
+    elif key in ("json", "guided_json"):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad(field, f"{field} is not valid JSON: {e}") from None
+        params["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "structured_outputs", "schema": value}}
+        renames["response_format"] = field
+    else:
+        base = key if key in ("regex", "choice", "grammar") else _ALIASES[key]
+        params["structured"] = {base: value}
+        renames["structured"] = field.removesuffix(f".{base}") if "." in field else field
+
+
+def tool_fields(body: dict) -> dict[str, Any]:
+    """EngineRequest's `tools` / `tool_choice` / parallel calls from a chat body ({} when
+    there are none). Raises OpenAIError 400 for a malformed field."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean", "invalid_type")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("tools", "tools must be a list", "invalid_type")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad("tool_choice", f"tool_choice must be none, auto, required or "
+                      f"{{\"type\": \"function\", ...}}, got {choice!r}")
+    elif choice is not None and not isinstance(choice, dict):
+        raise bad("tool_choice", "tool_choice must be a string or an object", "invalid_type")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "tool_choice needs `tools`")
+        return {}
+    out: dict[str, Any] = {"tools": tools, "tool_choice": choice}
+    if parallel is True:  # else one call (see EngineRequest.parallel_tool_calls)
+        out["parallel_tool_calls"] = True
+    return out
+
+
 def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -226,26 +332,26 @@ def _content(content: Any, where: str) -> str:
 
 def chat_plan(body: Any, served_model: str) -> Plan:
     """POST /v1/chat/completions. Raises OpenAIError (400 with `param`, 404 model)."""
-    body = _check_fields(body, _CHAT)
-    _check_model(body, served_model)
+    body = check_fields(body, _CHAT)
+    check_model(body, served_model)
     params: dict[str, Any] = {}
     renames: dict[str, str] = {}
-    n, stream, include_usage, continuous = _common(body, params, renames)
-    echo = bool(_type(body, "echo", bool, "a boolean"))
-    cont = bool(_type(body, "continue_final_message", bool, "a boolean"))
-    gen = _type(body, "add_generation_prompt", bool, "a boolean")
+    n, stream, include_usage, continuous = common_fields(body, params, renames)
+    echo = bool(typed_field(body, "echo", bool, "a boolean"))
+    cont = bool(typed_field(body, "continue_final_message", bool, "a boolean"))
+    gen = typed_field(body, "add_generation_prompt", bool, "a boolean")
     if cont and gen:
         raise bad("continue_final_message", "continue_final_message and "
                   "add_generation_prompt cannot both be true")
     if gen is False and not cont:
         raise bad("add_generation_prompt", "add_generation_prompt: false is served only "
                   "with continue_final_message: true", "unsupported_value")
-    mct = _type(body, "max_completion_tokens", int, "an integer")
+    mct = typed_field(body, "max_completion_tokens", int, "an integer")
     if mct is not None:
         params["max_tokens"] = mct
         renames["max_tokens"] = "max_completion_tokens"
-    want = _type(body, "logprobs", bool, "a boolean")
-    top = _type(body, "top_logprobs", int, "an integer")
+    want = typed_field(body, "logprobs", bool, "a boolean")
+    top = typed_field(body, "top_logprobs", int, "an integer")
     if top is not None:
         if not 0 <= top <= MAX_LOGPROBS:
             raise bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
@@ -303,49 +409,3 @@ def _turn(m: Any, where: str) -> dict[str, Any]:
         if isinstance(m.get("name"), str):
             turn["name"] = m["name"]
     return turn
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and
-                                                   not isinstance(t, bool) for t in x)
-
-
-def completion_plan(body: Any, served_model: str) -> Plan:
-    """POST /v1/completions. Raises OpenAIError (400 with `param`, 404 model)."""
-    body = _check_fields(body, _COMPLETIONS)
-    _check_model(body, served_model)
-    params: dict[str, Any] = {}
-    n, stream, include_usage, continuous = _common(body, params, {})
-    asked_prompt_logprobs = "prompt_logprobs" in params
-    renames = {} if asked_prompt_logprobs else {"prompt_logprobs": "logprobs"}
-    structured_fields(body, params, renames)
-    best_of = _type(body, "best_of", int, "an integer")
-    if best_of is not None and best_of != n:
-        raise bad("best_of", "best_of is only served equal to n", "unsupported_value")
-    echo = bool(_type(body, "echo", bool, "a boolean"))
-    num = _type(body, "logprobs", int, "an integer")
-    if num is not None:
-        if not 0 <= num <= MAX_LOGPROBS:
-            raise bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {num}")
-        params["logprobs"] = num
-        if echo:
-            params["prompt_logprobs"] = max(num, params.get("prompt_logprobs", 0))
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [{"prompt": prompt}]
-    elif _is_ids(prompt):
-        prompts = [{"prompt_token_ids": prompt}]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [{"prompt": p} for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
-        prompts = [{"prompt_token_ids": p} for p in prompt]
-    else:
-        raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids "
-                  "or a list of token-id lists", "invalid_type" if prompt is not None
-                  else "missing_required_parameter")
-    if len(prompts) * n > 4 * MAX_N:
-        raise bad("prompt", f"at most {4 * MAX_N} choices (prompts x n) per request")
-    return Plan("completion", prompts, params, n, stream, include_usage, echo,
-                renames=renames, continuous_usage=continuous,
-                return_prompt_logprobs=asked_prompt_logprobs,
-                return_token_ids=bool(body.get("return_token_ids")))

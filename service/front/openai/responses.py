@@ -42,7 +42,7 @@ from protocol import Done, ProtocolError
 from protocol.responses import (ErrorEvent, ResponseCompleted, ResponseFailed,
                                 ResponseIncomplete)
 from protocol.responses_request import CreateRequest, ResponsesError, parse_create_body
-from service.front.openai.body import log_refusal, read_json_body
+from service.front.openai.routes import log_refusal, read_json_body
 from service.front.openai.errors import OpenAIError, from_protocol
 from service.front.ws.responses.admit import admit, check_model, context_of, from_protocol_error
 from service.front.ws.responses.run import ResponseRun, new_response_id
