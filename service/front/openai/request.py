@@ -197,10 +197,12 @@ def _logit_bias(bias: dict) -> dict[int, float]:
     vocabulary. Raises OpenAIError naming logit_bias for a key that is not an id or a
     value that is not a number."""
     out: dict[int, float] = {}
+    keys = [k for k in bias if not (isinstance(k, str) and k.isdigit() and k.isascii())]
+    if keys:  # every bad key named at once (at most 8 shown), as vLLM does
+        shown = ", ".join(repr(k[:32]) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+        raise bad("logit_bias", f"logit_bias keys must be token ids (strings of digits), "
+                  f"got {shown}")
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise bad("logit_bias", f"logit_bias keys must be token ids (strings of digits), "
-                      f"got {key[:32]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("logit_bias", f"logit_bias[{key!r}] must be a number", "invalid_type")
         out[int(key)] = float(value)
