@@ -31,6 +31,25 @@ TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
 _SO_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
 
 
+def _response_format(fmt: dict) -> dict:
+    """OpenAI's response_format, with llama.cpp's `{"type": "json_object", "schema": S}`
+    served as `json_schema` S (its server's extension; ignoring the schema would hand its
+    users output that does not validate). Raises OpenAIError 400 naming a key that is none
+    of `type`, `json_schema` (and `schema` with json_object), rather than ignoring it."""
+    allowed = {"type", "json_schema"} | ({"schema"} if fmt["type"] == "json_object" else set())
+    unknown = sorted(k for k in fmt if k not in allowed)
+    if unknown:
+        raise bad(f"response_format.{unknown[0]}",
+                  f"response_format.{unknown[0]} is not supported", "unsupported_parameter")
+    if fmt["type"] == "json_object" and "schema" in fmt:
+        schema = fmt["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise bad("response_format.schema", "response_format.schema must be a JSON Schema "
+                      "(an object or a boolean)", "invalid_type")
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    return fmt
+
+
 def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str]) -> None:
     """Put the body's constraint into `params` (and where its errors point into
     `renames`). Raises OpenAIError 400 for a malformed or doubled constraint."""
@@ -40,6 +59,7 @@ def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise bad("response_format", "response_format must be an object with a `type`",
                       "invalid_type")
+        fmt = _response_format(fmt)
         if fmt["type"] != "text":
             given["response_format"] = ("response_format", fmt)
     so = body.get("structured_outputs")
