@@ -241,12 +241,13 @@ class Admission:
         for i, t in enumerate(params.stop_token_ids):
             if t >= vocab:
                 raise InvalidRequest(f"stop_token_ids[{i}] ({t}) is outside the vocabulary "
-                                     f"(ids 0 to {vocab - 1})",
+                                     f"(size {vocab}: ids 0 to {vocab - 1})",
                                      param=f"$.params.stop_token_ids[{i}]", request_id=client_id)
         for t in sorted(params.logit_bias or ()):
             if t >= vocab:
                 raise InvalidRequest(f"logit_bias has token id {t}, outside the vocabulary "
-                                     f"(ids 0 to {vocab - 1})", param="$.params.logit_bias",
+                                     f"(size {vocab}: ids 0 to {vocab - 1})",
+                                     param="$.params.logit_bias",
                                      request_id=client_id)
 
     def _no_room(self, what: str, request: EngineRequest, client_id: str) -> None:

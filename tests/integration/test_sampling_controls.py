@@ -190,6 +190,28 @@ def test_bad_input_is_refused_naming_the_field(server):
         r = httpx.post(url + route, json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
+    # the messages say what is wrong: the vocabulary's size, every bad logit_bias key
+    for body, words in (({"prompt": "hi", "stop_token_ids": [vocab + 1]}, [str(vocab + 1), str(vocab)]),
+                        ({"prompt": "hi", "logit_bias": {str(vocab + 1): 1}}, [str(vocab + 1), str(vocab)]),
+                        ({"prompt": "hi", "logit_bias": {"bad1": 5, "bad2": 1}}, ["bad1", "bad2"])):
+        message = httpx.post(url + "/completions", json=body, timeout=60).json()["error"]["message"]
+        assert all(w in message for w in words), (body, message)
+
+
+def test_streamed_chat_token_ids_as_vllm_places_them(client):
+    """return_token_ids on a streamed chat: the prompt's ids at the top level of the first
+    chunk (the role chunk) and of no other; each content chunk's token_ids, together the
+    unstreamed answer's."""
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8,
+                                           temperature=0, extra_body={"return_token_ids": True})
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, stream=True,
+        extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    ids = [t for c in chunks[1:] if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    assert ids == whole.choices[0].model_extra["token_ids"]
 
 
 def test_media_type_and_nesting(server):

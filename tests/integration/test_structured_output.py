@@ -97,6 +97,15 @@ def test_vllm_structured_outputs_on_both_routes(client):
     assert re.fullmatch(r"x[0-9]{2}", r.choices[0].text)
 
 
+def test_llama_cpp_json_object_with_a_schema(client):
+    """llama.cpp's extension: response_format json_object with a `schema` is constrained
+    to the schema (it was ignored until 2026-12-06: output that did not validate)."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write an example"}], max_tokens=8,
+        response_format={"type": "json_object", "schema": {"const": "42"}})
+    assert r.choices[0].message.content == '"42"'
+
+
 def test_required_tool_calls_validate_on_every_prompt(client):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
     for prompt in ["What is the weather in Paris?", "Find news about rockets.", "Hello!",
@@ -164,6 +173,8 @@ def test_many_tools_and_no_tool_choice_answer_or_call(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
      "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),
+    ({"response_format": {"type": "json_object", "schema": 123}}, "response_format.schema"),
+    ({"response_format": {"type": "json_object", "strict": True}}, "response_format.strict"),
     ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),

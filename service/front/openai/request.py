@@ -222,14 +222,35 @@ def _logit_bias(bias: dict) -> dict[int, float]:
     vocabulary. Raises OpenAIError naming logit_bias for a key that is not an id or a
     value that is not a number."""
     out: dict[int, float] = {}
+    keys = [k for k in bias if not (isinstance(k, str) and k.isdigit() and k.isascii())]
+    if keys:  # every bad key named at once (at most 8 shown), as vLLM does
+        shown = ", ".join(repr(k[:32]) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+        raise bad("logit_bias", f"logit_bias keys must be token ids (strings of digits), "
+                  f"got {shown}")
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise bad("logit_bias", f"logit_bias keys must be token ids (strings of digits), "
-                      f"got {key[:32]!r}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("logit_bias", f"logit_bias[{key!r}] must be a number", "invalid_type")
         out[int(key)] = float(value)
     return out
+
+
+def _response_format(fmt: dict) -> dict:
+    """OpenAI's response_format, with llama.cpp's `{"type": "json_object", "schema": S}`
+    served as `json_schema` S (its server's extension; ignoring the schema would hand its
+    users output that does not validate). Raises OpenAIError 400 naming a key that is none
+    of `type`, `json_schema` (and `schema` with json_object), rather than ignoring it."""
+    allowed = {"type", "json_schema"} | ({"schema"} if fmt["type"] == "json_object" else set())
+    unknown = sorted(k for k in fmt if k not in allowed)
+    if unknown:
+        raise bad(f"response_format.{unknown[0]}",
+                  f"response_format.{unknown[0]} is not supported", "unsupported_parameter")
+    if fmt["type"] == "json_object" and "schema" in fmt:
+        schema = fmt["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise bad("response_format.schema", "response_format.schema must be a JSON Schema "
+                      "(an object or a boolean)", "invalid_type")
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    return fmt
 
 
 def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str]) -> None:
@@ -241,6 +262,7 @@ def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
             raise bad("response_format", "response_format must be an object with a `type`",
                       "invalid_type")
+        fmt = _response_format(fmt)
         if fmt["type"] != "text":
             given["response_format"] = ("response_format", fmt)
     so = body.get("structured_outputs")

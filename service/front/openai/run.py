@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -249,15 +249,21 @@ class Run:
         """A content chunk of choice i; with return_token_ids its token_ids, and on the
         choice's first delta its prompt_token_ids (the chat response's top level, a
         completion choice's field; vLLM's placement)."""
-        extra = None
         if self.plan.return_token_ids:
             choice["token_ids"] = list(event.token_ids)
-            if event.prompt_token_ids is not None:
-                if self.plan.kind == "chat":
-                    extra = {"prompt_token_ids": event.prompt_token_ids}
-                else:
-                    choice["prompt_token_ids"] = event.prompt_token_ids
-        return self._chunk([choice], extra=extra)
+            if event.prompt_token_ids is not None and self.plan.kind != "chat":
+                choice["prompt_token_ids"] = event.prompt_token_ids
+        return self._chunk([choice])
+
+    def _role_chunks(self, i: int, event: Delta | Done | Error | None) -> Iterator[bytes]:
+        """Chat: choice i's first chunk (the assistant role; with return_token_ids the
+        prompt's ids at the chunk's top level, from the choice's first event, as vLLM
+        sends them), then its echo."""
+        ids = event.prompt_token_ids if isinstance(event, Delta) else None
+        yield self._chunk([self._choice(i, "", None, first=True)],
+                          extra={"prompt_token_ids": ids} if ids is not None else None)
+        if self.plan.echo and self.echo_text(i):
+            yield self._chunk([self._choice(i, self.echo_text(i), None)])
 
     async def sse(self) -> AsyncIterator[bytes]:
         """The SSE body: chunks, maybe a final error chunk, then `data: [DONE]`."""
@@ -265,16 +271,23 @@ class Run:
         # echo with logprobs: each choice's prompt goes with its scores, in its first delta
         echo_later = self.plan.echo and self.logprobs
         echoed: set[int] = set()
-        if self.plan.kind == "chat":
+        # chat: the role chunks go first, at once; with return_token_ids each waits for
+        # its choice's first event, which brings the prompt's ids
+        role_later = self.plan.kind == "chat" and self.plan.return_token_ids
+        started: set[int] = set()
+        if self.plan.kind == "chat" and not role_later:
             for i in range(n):
-                yield self._chunk([self._choice(i, "", None, first=True)])
-                if self.plan.echo and self.echo_text(i):
-                    yield self._chunk([self._choice(i, self.echo_text(i), None)])
-        elif self.plan.echo and not echo_later:
+                for chunk in self._role_chunks(i, None):
+                    yield chunk
+        elif self.plan.echo and not echo_later and self.plan.kind != "chat":
             for i in range(n):
                 yield self._chunk([self._choice(i, self.echo_text(i), None)])
         try:
             async for i, event in self.events():
+                if role_later and i not in started:
+                    started.add(i)
+                    for chunk in self._role_chunks(i, event):
+                        yield chunk
                 if echo_later and i not in echoed and not isinstance(event, Error):
                     echoed.add(i)
                     scores = None
