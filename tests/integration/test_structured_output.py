@@ -26,11 +26,15 @@ PROMPTS = ["Describe a person.", "Tell me about a city.", "Invent a book charact
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
     "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["C", "F"]}},
         "required": ["city", "unit"]}}}
 SEARCH = {"type": "function", "function": {
     "name": "search", "description": "Search the web",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+    # strings bounded, as in Person below: unbounded, the 135M model at its default
+    # temperature sometimes repeats inside the query ("2017-2017-...") until max_tokens
+    "parameters": {"type": "object", "properties": {"query": {"type": "string",
+                                                              "maxLength": 60},
                                                     "limit": {"type": "integer"}},
                    "required": ["query"]}}}
 
