@@ -80,7 +80,7 @@ async def serve(a: argparse.Namespace) -> None:
               f"{server.url.rsplit('/v1/', 1)[0]}/v1/responses (openai SDK: base_url="
               f"http://{a.host}:{server.port}/v1)", flush=True)
         print(f"conveyor: OpenAI HTTP API at http://{a.host}:{server.port}/v1 "
-              "(chat/completions, completions, models)", flush=True)
+              "(chat/completions, completions, responses, models)", flush=True)
         print(f"conveyor: health at http://{a.host}:{server.port}/health", flush=True)
         try:
             await stop.wait()
