@@ -23,8 +23,9 @@ def _ref(batch):
                                batch.seq_lens, batch.cu_seqlens_q, batch.scale)
 
 
-def _direct(batch, threads: int | None = None) -> torch.Tensor:
-    """Every sequence's chunk through the kernel, one call each."""
+def _direct(batch, threads: int | None = None, bf16_dot: bool = False) -> torch.Tensor:
+    """Every sequence's chunk through the kernel, one call each (bf16 products with
+    `bf16_dot`)."""
     out = torch.full_like(batch.q, float("nan"))
     cu = batch.cu_seqlens_q.tolist()
     tables = batch.block_tables.to(torch.int64).clamp(min=0)
@@ -34,7 +35,8 @@ def _direct(batch, threads: int | None = None) -> torch.Tensor:
     try:
         for b, (a, e) in enumerate(zip(cu, cu[1:])):
             pac.prefill_attention_cpu(batch.q[a:e], batch.kv[0], batch.kv[1], tables[b].contiguous(),
-                                      int(batch.seq_lens[b]), out[a:e], batch.scale)
+                                      int(batch.seq_lens[b]), out[a:e], batch.scale,
+                                      bf16_dot=bf16_dot)
     finally:
         torch.set_num_threads(before)
     return out
@@ -174,7 +176,7 @@ def test_bf16_dot_within_its_bound(make_paged_batch, block_size, head_dim, num_k
                              head_dim=head_dim, dtype=torch.float32, device=torch.device("cpu"),
                              seed=25)
     batch = dataclasses.replace(batch, kv=batch.kv.to(kv_dtype))
-    out = _direct_bf16(batch)
+    out = _direct(batch, bf16_dot=True)
     torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
     assert not torch.equal(out, _direct(batch))  # the bf16 products ran
     # Against attention over q, K, V rounded to bf16 (fp64), only the probabilities' rounding
@@ -187,23 +189,6 @@ def test_bf16_dot_within_its_bound(make_paged_batch, block_size, head_dim, num_k
     assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
 
 
-def _direct_bf16(batch, threads: int | None = None) -> torch.Tensor:
-    out = torch.full_like(batch.q, float("nan"))
-    cu = batch.cu_seqlens_q.tolist()
-    tables = batch.block_tables.to(torch.int64).clamp(min=0)
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        for b, (a, e) in enumerate(zip(cu, cu[1:])):
-            pac.prefill_attention_cpu(batch.q[a:e], batch.kv[0], batch.kv[1],
-                                      tables[b].contiguous(), int(batch.seq_lens[b]), out[a:e],
-                                      batch.scale, bf16_dot=True)
-    finally:
-        torch.set_num_threads(before)
-    return out
-
-
 @needs_bf16
 def test_bf16_dot_constant_v_comes_back(make_paged_batch) -> None:
     # the running sum adds the rounded probabilities: an output row is a convex combination of
@@ -213,7 +198,7 @@ def test_bf16_dot_constant_v_comes_back(make_paged_batch) -> None:
     row = torch.randn(64).bfloat16().float()
     kv = batch.kv.clone()
     kv[1] = row
-    out = _direct_bf16(dataclasses.replace(batch, kv=kv))
+    out = _direct(dataclasses.replace(batch, kv=kv), bf16_dot=True)
     torch.testing.assert_close(out, row.expand_as(out), atol=1e-6, rtol=1e-6)
 
 
@@ -222,9 +207,9 @@ def test_bf16_dot_constant_v_comes_back(make_paged_batch) -> None:
 def test_bf16_dot_any_thread_count_same_bits(make_paged_batch, threads) -> None:
     batch = make_paged_batch([(1300, 512)], block_size=16, num_kv_heads=3, group=3, head_dim=64,
                              dtype=torch.float32, device=torch.device("cpu"), seed=27)
-    out = _direct_bf16(batch, threads)
+    out = _direct(batch, threads, bf16_dot=True)
     torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
-    assert torch.equal(out, _direct_bf16(batch, 1))
+    assert torch.equal(out, _direct(batch, 1, bf16_dot=True))
 
 
 @needs_bf16
