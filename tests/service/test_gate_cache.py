@@ -9,9 +9,10 @@ import os
 import pytest
 
 from service.worker.quantization import apply as apply_module
+from service.worker.kv_fingerprint import model_identity
 from service.worker.quantization.gate_cache import (gate_cache_key, load_verdict,
-                                                    model_identity, refused_before,
-                                                    remember_refusal, store_verdict)
+                                                    refused_before, remember_refusal,
+                                                    store_verdict)
 from service.worker.quantization.quality_gate import GateResult, QualityGate
 from tests.service.test_bf16_gate import X16, _fake_model, _score_by_paths
 
@@ -51,16 +52,17 @@ def test_key_follows_the_model_file_the_plan_the_text_and_the_thresholds(tmp_pat
     assert gate_cache_key(str(tmp_path / "absent.gguf"), _fake_model((3,)), 1001) is None
 
 
-def test_a_model_folder_is_identified_by_its_weight_and_config_files(tmp_path) -> None:
+def test_a_rewritten_weight_file_in_a_model_folder_changes_the_key(tmp_path) -> None:
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"x" * 10)
-    (folder / "README.md").write_text("ignored")
-    ident = model_identity(folder)
-    assert "config.json" in ident and "model.safetensors" in ident and "README" not in ident
+    key = gate_cache_key(str(folder), _fake_model((3,)), 1001)
+    assert key is not None
+    (folder / "README.md").write_text("not a weight")
+    assert gate_cache_key(str(folder), _fake_model((3,)), 1001) == key
     (folder / "model.safetensors").write_bytes(b"x" * 11)
-    assert model_identity(folder) != ident
+    assert gate_cache_key(str(folder), _fake_model((3,)), 1001) != key
 
 
 def test_second_start_takes_the_stored_verdict_and_scores_nothing(tmp_path) -> None:

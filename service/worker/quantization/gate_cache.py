@@ -10,7 +10,8 @@ depends on changed.
 Kept in ``$CONVEYOR_CACHE_DIR/kernels/quality-gate-<key>.json`` (the kernel timings'
 folder, ``kernels.cpu_build.cache_dir``). The key hashes everything the verdict depends on:
 
-- the model's files: real path, size and modification time (``model_identity``);
+- the model's files: real path, size and modification time (``kv_fingerprint.model_identity``:
+  a GGUF file, or a folder's config.json and safetensors);
 - what the linear timings' key covers (``choice.cache_key``: the C++ kernel source, the CPU
   flags, torch's version, the thread count, the instruction-set caps);
 - the source of the model's forward and of the gate (its text, its scoring, the bf16 path);
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kernels.cpu_build import cache_dir
+from service.worker.kv_fingerprint import model_identity
 from service.worker.quantization import choice, gate_text, paths, quality_gate
 from service.worker.quantization.plan import DispatchLinear
 from service.worker.quantization.quality_gate import GateResult, QualityGate
@@ -47,26 +49,6 @@ log = logging.getLogger(__name__)
 
 GATE_CACHE_VERSION = 1
 """Bumped when the stored form or the meaning of a verdict changes."""
-
-_MODEL_FILES = (".gguf", ".safetensors", ".bin", ".json", ".model")
-
-
-def model_identity(path: str | os.PathLike[str]) -> str:
-    """"realpath|size|mtime_ns" of a model file, or of each weight, config and tokenizer
-    file in a model folder (sorted by name); "" for a path that does not exist."""
-    real = os.path.realpath(path)
-    try:
-        if os.path.isdir(real):
-            entries = sorted((e for e in os.scandir(real)
-                              if e.is_file() and e.name.endswith(_MODEL_FILES)),
-                             key=lambda e: e.name)
-            stats = [(e.name, e.stat()) for e in entries]
-        else:
-            stats = [("", os.stat(real))]
-    except OSError:
-        return ""
-    return real + "|" + ";".join(f"{n}:{st.st_size}:{st.st_mtime_ns}" for n, st in stats)
-
 
 def _source_digest() -> bytes:
     from service.worker import model as model_module  # the forward every score runs
@@ -77,37 +59,35 @@ def _source_digest() -> bytes:
     return h.digest()
 
 
+def _key(model: str, gate: QualityGate, *parts: str) -> str | None:
+    """16 hex digits of the model's files (``kv_fingerprint.model_identity``), the machine's
+    timing key, the source, the thresholds and `parts`; None where the files cannot be read
+    (then nothing is cached)."""
+    try:
+        identity = json.dumps(model_identity(model))
+    except OSError:
+        return None
+    text = "\0".join([str(GATE_CACHE_VERSION), identity, choice.cache_key(),
+                      _source_digest().hex(), json.dumps(dataclasses.asdict(gate)), *parts])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def gate_cache_key(model: str, linears: Sequence[object], tokens: int,
                    gate: QualityGate = QualityGate()) -> str | None:
-    """The verdict's key (16 hex digits), or None where the model's files cannot be
-    identified (then nothing is cached)."""
-    identity = model_identity(model)
-    if not identity:
-        return None
+    """The verdict's key: `_key` with the plan's bf16 layout and the text's length."""
     layout = [lin.names for lin in linears if isinstance(lin, DispatchLinear)
               and any(paths.PATHS[n].rounds_weights for n in lin.names)]
-    parts = [str(GATE_CACHE_VERSION), identity, choice.cache_key(), _source_digest().hex(),
-             json.dumps(layout), str(tokens), json.dumps(dataclasses.asdict(gate))]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return _key(model, gate, json.dumps(layout), str(tokens))
 
 
 def _path(key: str) -> Path:
     return cache_dir() / f"quality-gate-{key}.json"
 
 
-def _refusal_key(model: str, gate: QualityGate) -> str | None:
-    identity = model_identity(model)
-    if not identity:
-        return None
-    parts = [str(GATE_CACHE_VERSION), "refused", identity, choice.cache_key(),
-             _source_digest().hex(), json.dumps(dataclasses.asdict(gate))]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
 def refused_before(model: str, gate: QualityGate = QualityGate()) -> str | None:
     """The stored description of the gate's refusal for `model` on this machine (e.g.
     "rows 181+: top-1 99.4% of 1053, ..."), or None: never refused here, or unknown."""
-    key = _refusal_key(model, gate)
+    key = _key(model, gate, "refused")
     if key is None:
         return None
     try:
@@ -123,7 +103,7 @@ def remember_refusal(model: str, results: Sequence[GateResult],
     for a text too short, from a small KV cache, says nothing of the model); nothing when
     every bucket passed."""
     refused = [r for r in results if not r.passes(gate) and r.positions >= gate.min_positions]
-    key = _refusal_key(model, gate)
+    key = _key(model, gate, "refused")
     if refused and key is not None:
         _write(_path(key), {"version": GATE_CACHE_VERSION,
                             "refused": "; ".join(r.describe() for r in refused)})
