@@ -30,13 +30,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from protocol import Delta, Done, connect
 from service.bench.llama_server import ROOT
 from service.bench.machine import flags_text, machine_info
+from service.bench.real_sizes import read_loadavg
 from service.bench.report import write_json
 from service.bench.server_process import ServerProcess
+from service.bench.stats import percentile
 
 SCHEMA = {
     "type": "object",
@@ -112,7 +113,7 @@ async def _round(url: str, streams: int, constrained: int, max_tokens: int) -> l
 
 
 def _p50(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+    return percentile(values, 50) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = ["--max-num-seqs", str(a.streams), *(["--model", a.model] if a.model else []),
              *a.server_args.split()]
     runs: dict[str, list[list[dict]]] = {"mixed": [], "free": []}
-    load = {"start": Path("/proc/loadavg").read_text().split()[:3]}
+    load = {"start": read_loadavg()}
     with ServerProcess(serve) as server:
         asyncio.run(_round(server.url, 2, 1, 8))  # warm-up: the grammar compiler, the buckets
         for r in range(a.rounds):
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 n = a.constrained if variant == "mixed" else 0
                 runs[variant].append(asyncio.run(_round(server.url, a.streams, n,
                                                         a.max_tokens)))
-    load["end"] = Path("/proc/loadavg").read_text().split()[:3]
+    load["end"] = read_loadavg()
     free_gaps = {v: [g for rnd in runs[v] for s in rnd if not s["constrained"]
                      for g in s["itl_ms"]] for v in runs}
     constrained = [s for rnd in runs["mixed"] for s in rnd if s["constrained"]]
