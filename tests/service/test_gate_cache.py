@@ -109,8 +109,8 @@ def test_a_refusal_is_remembered_per_model_and_machine(tmp_path) -> None:
     score, _ = _score_by_paths(linears, {512: 0.01, 64: 0.0})
     apply_module._scored_or_cached(linears, lambda: (score, 1001), path)
     assert refused_before(path).startswith("rows 181+: top-1 99.0% of 1000")
-    other = _model_file(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path)
-    assert refused_before(other) is None  # another file: nothing known
+    (tmp_path / "other").mkdir()
+    assert refused_before(_model_file(tmp_path / "other")) is None  # another file: unknown
 
 
 def test_passes_and_refusals_for_too_short_a_text_are_not_remembered(tmp_path) -> None:
