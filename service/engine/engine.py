@@ -32,7 +32,7 @@ from service.core.kv_cache_manager import PreemptionCost
 from service.core.request import Request
 from service.engine.admission import Admission
 from service.engine.client import EngineClient, EngineRequest
-from service.engine.constraints.tool_parser import ToolCallParser
+from service.engine.constraints.envelope_parser import tool_parser
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.faults import FaultPlan, FaultyPolicy, FaultyRunner
 from service.engine.metrics import EngineMetrics
@@ -306,7 +306,7 @@ class Engine(EngineClient):
         if request.return_prompt_token_ids:
             sink = with_prompt_token_ids(sink, ids)
         self._loop.submit(LiveRequest(req, client_id, request.connection_id, sink, detok,
-                                      ToolCallParser(tool_format) if tool_format else None))
+                                      tool_parser(tool_format) if tool_format else None))
         return len(ids)
 
     def _check_accepting(self, request_id: str, client_id: str) -> None:

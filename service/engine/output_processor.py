@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 from msgspec import UNSET
@@ -18,10 +19,13 @@ from msgspec import UNSET
 from protocol import Delta, Done, InternalError, Timings, Usage
 from service.core.engine_core import EngineCore, RequestOutput
 from service.core.request import Request
-from service.engine.constraints.tool_parser import ToolCallParser
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.metrics import EngineMetrics
 from service.engine.stream import Sink
+
+if TYPE_CHECKING:
+    from service.engine.constraints.envelope_parser import EnvelopeParser
+    from service.engine.constraints.tool_parser import ToolCallParser
 
 log = structlog.get_logger("service.engine")
 
@@ -39,7 +43,7 @@ class LiveRequest:
                  "last_emit", "stop_string_hit", "tools")
 
     def __init__(self, req: Request, client_id: str, connection_id: str | None, sink: Sink,
-                 detok: IncrementalDetokenizer, tools: ToolCallParser | None = None) -> None:
+                 detok: IncrementalDetokenizer, tools: ToolCallParser | EnvelopeParser | None = None) -> None:
         self.req = req
         self.client_id = client_id
         self.connection_id = connection_id

@@ -344,7 +344,7 @@ async def test_tools_and_output_constraints_reach_the_replica_and_constrain_it_t
         remote_format = await admission.prepare_full(at_replica_format)
         assert remote_format.matcher is not None and remote_format.tool_format is None
         # a tool call's text is accepted by the replica's matcher, plain text is not
-        call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+        call = '{"tool_call":{"name":"get_weather","arguments":{"city":"Paris"}}}'
         ids = hf_tokenizer.encode(call, add_special_tokens=False)
         assert remote.matcher.validate_tokens(ids) == len(ids)
         other = remote_format.matcher  # a fresh one: nothing consumed

@@ -15,7 +15,8 @@ from service.engine.constraints.tools import ToolPlan
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}}, "required": ["city"]}}}
-CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+CALL = '{"tool_call":{"name":"get_weather","arguments":{"city":"Oslo"}}}'
+HERMES_CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +46,33 @@ def test_after_one_call_only_eos_unless_parallel_calls(hf_tokenizer, choice):
     one = ToolPlan.make(tools, choice, "generic")
     assert allowed_after(compiler, one, CALL) == {eos}
     many = ToolPlan.make(tools, choice, "generic", parallel=True)
-    after = allowed_after(compiler, many, CALL)
+    calls = '{"tool_calls":[' + CALL[len('{"tool_call":'):-1]
+    after = allowed_after(compiler, many, calls)
+    assert eos not in after and "," in {hf_tokenizer.decode([t]) for t in after}
+    assert allowed_after(compiler, many, calls + "]}") == {eos}
+    assert '"tool_calls"' in many.system_prompt() and '"tool_calls"' not in one.system_prompt()
+    hermes = ToolPlan.make(tools, choice, "hermes")
+    assert allowed_after(compiler, hermes, HERMES_CALL) == {eos}
+    after = allowed_after(compiler, ToolPlan.make(tools, choice, "hermes", parallel=True),
+                          HERMES_CALL)
     assert eos in after and len(after) > 1  # a newline may start the next call
-    assert "one or more calls" in many.system_prompt()
-    assert "one or more" not in one.system_prompt()
+
+
+def test_generic_auto_is_an_answer_or_a_call_in_json(hf_tokenizer):
+    """generic + auto: `{"response": ...}` or `{"tool_call": ...}`; never free text."""
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(hf_tokenizer, len(hf_tokenizer), [eos])
+    tools = [msgspec.convert(WEATHER, Tool)]
+    auto = ToolPlan.make(tools, "auto", "generic")
+    first = {hf_tokenizer.decode([t]) for t in allowed_after(compiler, auto, "")}
+    assert first and all(x.lstrip().startswith("{") or "{".startswith(x) for x in first)
+    assert allowed_after(compiler, auto, '{"response":"Oslo is cold."}') == {eos}
+    after = {hf_tokenizer.decode([t]) for t in allowed_after(compiler, auto, '{"')}
+    assert any(x.startswith("response") or "response".startswith(x) for x in after)
+    assert any(x.startswith("tool") or "tool".startswith(x) for x in after)
+    required = ToolPlan.make(tools, "required", "generic")
+    after = {hf_tokenizer.decode([t]) for t in allowed_after(compiler, required, '{"')}
+    assert not any(x.startswith("r") for x in after)
 
 
 def test_integers_without_bounds_get_fifteen_digits_at_most():
@@ -63,3 +87,18 @@ def test_integers_without_bounds_get_fifteen_digits_at_most():
     assert out["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": INTEGER_BOUND}
     assert out["properties"]["x"] == {"type": "number"} and "minimum" not in schema["properties"]["n"]
     assert len(str(INTEGER_BOUND)) == 15
+
+
+def test_generic_answer_may_end_at_eos_and_escapes_are_json(hf_tokenizer):
+    """The answer's string may end unclosed at EOS (a chat model ends its turn so); closed,
+    only `}` and then EOS; inside it only JSON's escapes."""
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(hf_tokenizer, len(hf_tokenizer), [eos])
+    auto = ToolPlan.make([msgspec.convert(WEATHER, Tool)], "auto", "generic")
+    after = allowed_after(compiler, auto, '{"response":"It is \\"cold\\" \\u00e9/\\/\\n')
+    assert eos in after and len(after) > 1000
+    assert allowed_after(compiler, auto, '{"response":"Cold."}') == {eos}
+    assert eos in allowed_after(compiler, auto, '{"response":"Two\nlines\tand a tab')
+    matcher = compiler.compile_sync(auto.grammar())
+    bad = compiler._hf.encode('{"response":"a\\q', add_special_tokens=False)
+    assert not matcher.consume_tokens(bad)

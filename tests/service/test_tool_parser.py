@@ -26,7 +26,7 @@ def feed_in_pieces(parser: ToolCallParser, text: str, rng: random.Random):
 def test_calls_split_anywhere_give_the_same_calls():
     rng = random.Random(1)
     for _ in range(300):
-        p = ToolCallParser(FORMATS["generic"])
+        p = ToolCallParser(FORMATS["hermes"])
         text, pieces = feed_in_pieces(p, TWO_CALLS, rng)
         assert text == "" and p.is_calls
         assert [c.function.name for c in p.calls] == ["get_weather", "f"]
@@ -43,7 +43,7 @@ def test_calls_split_anywhere_give_the_same_calls():
 def test_plain_text_passes_through():
     rng = random.Random(2)
     for text in ("  <tools are fun>", "Hello <tool_call", "", "{not a call}"):
-        p = ToolCallParser(FORMATS["generic"])
+        p = ToolCallParser(FORMATS["hermes"])
         out, pieces = feed_in_pieces(p, text, rng)
         assert out == text and pieces == [] and p.calls == []
 
@@ -59,7 +59,7 @@ def test_a_call_cut_inside_its_arguments_is_reported_as_streamed():
     """max_tokens inside the arguments: the call, with the arguments streamed so far."""
     text = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'
     for seed in range(20):
-        p = ToolCallParser(FORMATS["generic"])
+        p = ToolCallParser(FORMATS["hermes"])
         out, pieces = feed_in_pieces(p, text, random.Random(seed))
         assert out == "" and p.is_calls and p.partial
         assert [(c.function.name, c.function.arguments) for c in p.calls] == \
@@ -72,17 +72,17 @@ def test_a_call_cut_before_its_name_is_returned_as_text():
     """Nothing was streamed of it: its text comes back as plain text, after complete calls."""
     done = '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>\n'
     for cut in ('<tool_call>\n{"na', '<tool_call>\n{"name": "get_we'):
-        p = ToolCallParser(FORMATS["generic"])
+        p = ToolCallParser(FORMATS["hermes"])
         out, _ = feed_in_pieces(p, cut, random.Random(5))
         assert out == cut and p.calls == [] and not p.partial
-        p = ToolCallParser(FORMATS["generic"])
+        p = ToolCallParser(FORMATS["hermes"])
         out, _ = feed_in_pieces(p, done + cut, random.Random(6))
         assert out.lstrip() == cut and [c.function.name for c in p.calls] == ["f"]
         assert not p.partial
 
 
 def test_a_call_cut_in_its_closing_text_is_complete():
-    p = ToolCallParser(FORMATS["generic"])
+    p = ToolCallParser(FORMATS["hermes"])
     out, _ = feed_in_pieces(p, '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_',
                             random.Random(7))
     assert out == "" and not p.partial and p.calls[0].function.arguments == '{"a":1}'

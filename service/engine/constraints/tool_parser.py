@@ -46,13 +46,12 @@ class ToolCallParser:
         fmt: how calls are written (open / close text, the arguments' key).
     """
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, *, between: str = r"\s*") -> None:
         self.fmt = fmt
-        self._head = re.compile(r"\s*" + re.escape(fmt.open.strip()) + r"\s*\{\s*\"name\"\s*:\s*"
+        # `between`: what may come before a call (the envelope's list: a comma)
+        self._head = re.compile(between + re.escape(fmt.open.strip()) + r"\s*\{\s*\"name\"\s*:\s*"
                                 r"\"((?:[^\"\\]|\\.)*)\"\s*,\s*\"" + re.escape(fmt.args_key)
-                                + r"\"\s*:\s*") if fmt.open.strip() else re.compile(
-            r"\s*\{\s*\"name\"\s*:\s*\"((?:[^\"\\]|\\.)*)\"\s*,\s*\"" + re.escape(fmt.args_key)
-            + r"\"\s*:\s*")
+                                + r"\"\s*:\s*")
         self._mode = "undecided"  # -> "text" | "calls"
         self._buf = ""
         self.calls: list[ToolCall] = []  # complete calls

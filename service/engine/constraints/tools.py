@@ -8,21 +8,32 @@ Three styles, chosen per model from its chat template (`template_tool_style`, on
     llama    the template renders `tools` and its model answers with one bare JSON object
              `{"name": ..., "parameters": {...}}` (Llama 3.1+).
     generic  the template ignores tools (SmolLM2's): the tool list goes into the system
-             prompt with the hermes call form spelled out (`GENERIC_PROMPT`), as llama.cpp's
-             server does for such templates, and past calls are written into the
+             prompt (`GENERIC_PROMPT`) and the whole completion is one JSON object, as
+             llama.cpp's server's generic form: `{"response": "<the answer>"}`,
+             `{"tool_call": {"name": ..., "arguments": {...}}}`, or with parallel calls
+             `{"tool_calls": [{...}, ...]}` (the format's `envelope`; parsed by
+             `envelope_parser.EnvelopeParser`). Past calls are written into the
              assistant turns in that form.
+
+             Why an envelope and not a plain answer beside the call form: a small chat
+             model given the choice between free text and `<tool_call>` answers in free
+             text even when told to call (SmolLM2-135M with Open WebUI's 36 tools wrote
+             Python that calls get_current_timestamp, 2026-12-06); made to choose between
+             the keys "response" and "tool_call" after `{"`, it called the function
+             when asked to and answered plain questions.
 
 The output is constrained by a grammar (llguidance's Lark) built from the tools' JSON
 Schemas, so a call always parses and its arguments validate:
 
-    tool_choice "auto" (the default)   a plain answer that does not start like a call, or a call
+    tool_choice "auto" (the default)   a plain answer that does not start like a call (generic:
+                                       {"response": ...}), or a call
     tool_choice "required"             a call
     tool_choice {"function": {name}}   exactly one call of that function
     tool_choice "none"                 tools not shown, output not constrained
 
 "A call" is exactly one call, unless the client asked for parallel calls
 (`parallel_tool_calls: true`; not the llama style, not a named function): then one or more,
-separated by a newline. The call's JSON has no free whitespace (one way to write it), and
+separated by a newline (generic: the `tool_calls` list). The call's JSON has no free whitespace (one way to write it), and
 after its closing text the grammar is complete, so the only token it allows is EOS: a
 model cannot drift into a second call or trailing text and spend max_tokens there (as
 llama.cpp's server and vLLM constrain a `required` call; llama.cpp also defaults
@@ -41,35 +52,49 @@ from protocol.structured import Tool, ToolChoiceFunction
 from service.engine.constraints.grammar import (GrammarSource, close_objects, lark_grammar,
                                                 lark_string)
 
-__all__ = ["GENERIC_PROMPT", "STYLES", "ToolFormat", "ToolPlan", "template_tool_style"]
+__all__ = ["ANSWER_OPEN", "GENERIC_PROMPT", "MANY_OPEN", "ONE_OPEN", "STYLES", "ToolFormat",
+           "ToolPlan", "template_tool_style"]
 
 STYLES = ("hermes", "llama", "generic")
 
 
 class ToolFormat(NamedTuple):
     """How one call is written: `open` + {"name": ..., args_key: {...}} + `close`;
-    `many`: several calls may follow each other (separated by a newline)."""
+    `many`: several calls may follow each other (separated by a newline); `envelope`: the
+    generic form instead, where the completion is one JSON object holding the answer or
+    the calls (module docstring)."""
 
     open: str
     close: str
     args_key: str
     many: bool
+    envelope: bool = False
 
 
 FORMATS = {"hermes": ToolFormat("<tool_call>\n", "\n</tool_call>", "arguments", True),
-           "generic": ToolFormat("<tool_call>\n", "\n</tool_call>", "arguments", True),
+           "generic": ToolFormat("", "", "arguments", True, envelope=True),
            "llama": ToolFormat("", "", "parameters", False)}
 
-GENERIC_PROMPT = """You can call functions. Their JSON Schemas, one a line:
-<tools>
+GENERIC_PROMPT = """Functions you may call:
 {tools}
-</tools>
-{rule} To call {what}, answer with nothing but {how}, written as:
-<tool_call>
-{{"name": "<function name>", "arguments": <its arguments as a JSON object>}}
-</tool_call>"""
-_RULES = {"auto": "Call a function when one helps; otherwise answer in plain text.",
-          "required": "You must call a function."}
+
+{rule}"""
+_CALL = '{{"name": "<function name>", "arguments": {{...}}}}'
+_RULES = {
+    "auto": 'Respond in JSON format, either with "response" (your reply to the user\'s '
+            'request), written as {{"response": "<your reply>"}}, or with "tool_call" (a '
+            'request to call a function), written as {{"tool_call": ' + _CALL + '}}.',
+    "auto-many": 'Respond in JSON format, either with "response" (your reply to the user\'s '
+                 'request), written as {{"response": "<your reply>"}}, or with "tool_calls" '
+                 '(requests to call functions, one or more), written as {{"tool_calls": [' +
+                 _CALL + ', ...]}}.',
+    "required": 'You must call a function. Respond in JSON format with "tool_call", '
+                'written as {{"tool_call": ' + _CALL + '}}.',
+    "required-many": 'You must call functions, one or more. Respond in JSON format with '
+                     '"tool_calls", written as {{"tool_calls": [' + _CALL + ', ...]}}.',
+    "named": 'You must call the function {name}. Respond in JSON format with "tool_call", '
+             'written as {{"tool_call": {{"name": "{name}", "arguments": {{...}}}}}}.',
+}
 
 _PROBE = "conveyor_probe_function_7c1e"
 
@@ -171,22 +196,23 @@ class ToolPlan:
             return None
         lines = "\n".join(json.dumps(_function_dict(t), separators=(",", ":"),
                                      ensure_ascii=False) for t in self.tools)
-        rule = f"You must call the function {self.choice}." if self.named \
-            else _RULES[self.choice]
-        many = self.parallel and not self.named
-        return GENERIC_PROMPT.format(
-            tools=lines, rule=rule, what="functions" if many else "a function",
-            how="one or more calls, each one" if many else "the call")
+        if self.named:
+            rule = _RULES["named"].format(name=self.choice)
+        else:
+            rule = _RULES[self.choice + ("-many" if self.parallel else "")].format()
+        return GENERIC_PROMPT.format(tools=lines, rule=rule)
 
     def grammar(self, request_id: str | None = None) -> GrammarSource:
         """The output grammar (see the module docstring)."""
         fmt = self.format
         tools = [t for t in self.tools if not self.named or t.function.name == self.choice]
+        many = fmt.many and self.parallel and not self.named
+        if fmt.envelope:
+            return lark_grammar(self._envelope(tools, many), "$.tools", request_id)
         bodies = " | ".join(f"%json{json.dumps(_call_schema(t, fmt.args_key))}" for t in tools)
         call = " ".join(x for x in (lark_string(fmt.open) if fmt.open else "", "call_body",
                                     lark_string(fmt.close) if fmt.close else "") if x)
-        calls = 'call ("\\n" call)*' if fmt.many and self.parallel and not self.named \
-            else "call"
+        calls = 'call ("\\n" call)*' if many else "call"
         if self.choice == "auto":
             start = "start: ANSWER | calls"
             # an answer that does not start like a call (after blanks)
@@ -197,6 +223,43 @@ class ToolPlan:
         lark = "\n".join(x for x in (start, f"calls: {calls}", f"call: {call}",
                                      f"call_body: {bodies}", answer) if x)
         return lark_grammar(lark, "$.tools", request_id)
+
+    def _envelope(self, tools: list[Tool], many: bool) -> str:
+        """The generic style's Lark: {"response":"<answer>"} (auto only), {"tool_call":
+        call} or, with parallel calls, {"tool_calls":[call,...]}. Each kind opens with a
+        literal (a literal beside a %json at the same place would trip llguidance's greedy
+        lexer). The answer's string may also end at EOS, unclosed: a chat model ends its
+        turn with EOS, and one made to close a JSON string first rambles on instead
+        (SmolLM2-135M: 2 of 10 answers ran to max_tokens)."""
+        bodies = " | ".join(f"%json{json.dumps(_call_schema(t, self.format.args_key))}"
+                            for t in tools)
+        calls = (f'{lark_string(MANY_OPEN)} call_body ("," call_body)* "]}}"' if many
+                 else f'{lark_string(ONE_OPEN)} call_body "}}"')
+        rules = [f"calls: {calls}", f"call_body: {bodies}"]
+        if self.choice == "auto":
+            rules = ["start: answer | calls", *rules,
+                     f'answer: {lark_string(ANSWER_OPEN)} ANSWER_TEXT? {lark_string(chr(34) + "}")}?',
+                     f"ANSWER_TEXT: /{_JSON_STRING_TEXT}/"]
+        else:
+            rules.insert(0, "start: calls")
+        return "\n".join(rules)
+
+
+ANSWER_OPEN, ONE_OPEN, MANY_OPEN = '{"response":"', '{"tool_call":', '{"tool_calls":['
+"""How the generic style's envelope opens: an answer, one call, several calls."""
+_JSON_STRING_TEXT = (r'(?:[^"\\\x00-\x08\x0b\x0c\x0e-\x1f]'
+                     r'|\\(?:["\\\/bfnrt]|u[0-9a-fA-F]{4}))+')
+"""A JSON string's characters (Rust regex syntax): no quote or backslash unescaped; raw
+newlines, carriage returns and tabs allowed besides their escapes (JSON wants them escaped,
+but the envelope never leaves the server, and a chat model's answer breaks its lines with
+the raw character: masked, it must find `\\n` instead); `/` escaped for Lark's /regex/."""
+
+
+_X_GUIDANCE = {"lenient": True, "whitespace_flexible": False}
+"""llguidance's options for a tool grammar: keywords it does not enforce (e.g. an unknown
+`format`) are ignored rather than refusing the tool list (a chat front end sends its tools
+with every message; refusing them would refuse every message), and no free whitespace: one
+way to write a call (a small model given room for blanks may spend its tokens on them)."""
 
 
 def _function_dict(t: Tool) -> dict[str, Any]:
@@ -209,18 +272,15 @@ def _function_dict(t: Tool) -> dict[str, Any]:
     return out
 
 
-def _call_schema(t: Tool, args_key: str) -> dict[str, Any]:
+def _call_schema(t: Tool, args_key: str, top: bool = True) -> dict[str, Any]:
     """JSON Schema of one call's object: the name (constant) first, then the arguments.
-    Lenient: keywords llguidance does not enforce (e.g. an unknown `format`) are ignored
-    rather than refusing the tool list (a chat front end sends its tools with every
-    message; refusing them would refuse every message). Objects closed (`close_objects`),
-    and no free whitespace: one way to write a call (a small model given room for blanks
-    may spend its tokens on them)."""
+    Objects closed (`close_objects`); `top`: with llguidance's options (`_X_GUIDANCE`)."""
     params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
-    return {"type": "object",
-            "properties": {"name": {"const": t.function.name}, args_key: close_objects(params)},
-            "required": ["name", args_key], "additionalProperties": False,
-            "x-guidance": {"lenient": True, "whitespace_flexible": False}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {"name": {"const": t.function.name}, args_key: close_objects(params)},
+        "required": ["name", args_key], "additionalProperties": False}
+    return {**schema, "x-guidance": _X_GUIDANCE} if top else schema
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
@@ -235,35 +295,57 @@ def _regex_escape(text: str) -> str:
 def history_turns(messages: Sequence[ChatMessage], style: str,
                   system_prompt: str | None) -> list[dict[str, Any]]:
     """Chat turns as dicts for the template: past tool calls and results in the style's
-    form (native: `tool_calls` with arguments as objects, `tool_call_id`; generic: the
-    calls written into the assistant's content), and the generic tool prompt merged into
-    the first system turn (or a new one)."""
+    form, and the generic tool prompt merged into the first system turn (or a new one).
+
+    Native styles: `tool_calls` with arguments as objects, `tool_call_id`. Generic: a
+    past call is a sentence in the assistant's content (`I call f with {...}.`) and its
+    result a user turn (`f returned: ...`; consecutive results in one turn), as llama.cpp
+    polyfills templates without tool roles. Not the call's own JSON: shown its past call
+    in the envelope form, SmolLM2-135M called again after every result (10 of 10, with
+    the result in a `tool` or a `user` turn); with the sentence it answered (10 of 10).
+    """
     turns: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool_call_id -> function name (generic results)
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
             if style == "generic":
-                fmt = FORMATS["generic"]
-                calls = "\n".join(
-                    fmt.open + json.dumps({"name": c.function.name, fmt.args_key:
-                                           _arguments(c.function.arguments)},
-                                          ensure_ascii=False) + fmt.close
-                    for c in m.tool_calls)
-                turn["content"] = (turn["content"] + "\n" if turn["content"] else "") + calls
+                said = " ".join(f"I call {c.function.name} with "
+                                f"{_compact(c.function.arguments)}." for c in m.tool_calls)
+                turn["content"] = (turn["content"] + "\n" if turn["content"] else "") + said
+                names.update((c.id, c.function.name) for c in m.tool_calls)
             else:
                 turn["tool_calls"] = [{"id": c.id, "type": "function",
                                        "function": {"name": c.function.name,
                                                     "arguments": _arguments(c.function.arguments)}}
                                       for c in m.tool_calls]
-        if m.role == "tool" and style != "generic":
-            if m.tool_call_id is not None:
-                turn["tool_call_id"] = m.tool_call_id
-            if m.name is not None:
-                turn["name"] = m.name
+        if m.role == "tool":
+            if style == "generic":
+                name = names.get(m.tool_call_id or "") or m.name or "The function"
+                said = f"{name} returned: {m.content or ''}"
+                if turns and turns[-1].get("tool_results"):
+                    turns[-1]["content"] += "\n" + said
+                    continue
+                turn = {"role": "user", "content": said, "tool_results": True}
+            else:
+                if m.tool_call_id is not None:
+                    turn["tool_call_id"] = m.tool_call_id
+                if m.name is not None:
+                    turn["name"] = m.name
         turns.append(turn)
+    for turn in turns:
+        turn.pop("tool_results", None)
     if system_prompt:
         if turns and turns[0]["role"] == "system":
             turns[0]["content"] = system_prompt + "\n\n" + turns[0]["content"]
         else:
             turns.insert(0, {"role": "system", "content": system_prompt})
     return turns
+
+
+def _compact(arguments: str) -> str:
+    """A call's arguments as compact JSON (as given where they do not parse)."""
+    value = _arguments(arguments)
+    if isinstance(value, str):
+        return value or "{}"
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -190,7 +190,7 @@ class ResponsesHttp:
             return
         if self._special_ids is None:
             self._special_ids = frozenset(self.engine.tokenizer.all_special_ids)
-        context = context_of(run, done, self.engine.tokenizer, self._special_ids)
+        context = context_of(run, done, self._special_ids)
         if context is not None:
             self.store.put(context)
 

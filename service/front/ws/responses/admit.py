@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from protocol import (ChatMessage, ContextLengthExceeded, Done, InvalidRequest,
                       ProtocolError)
 from protocol.responses_request import CreateRequest, ResponsesError
+from protocol.structured import FunctionCall, ToolCall
 from service.engine.client import EngineClient, EngineRequest
 from service.front.openai.errors import ERROR_TYPES
 from service.front.ws.responses.context import (build_prompt, context_after, prompt_tokenizer,
@@ -109,21 +110,21 @@ async def admit(engine: EngineClient, run: ResponseRun, previous: StoredResponse
     run.prompt_ids, run.messages, run.tools_key = ids, messages, tools_key(plan)
 
 
-def context_of(run: ResponseRun, done: Done, tokenizer: Any,
+def context_of(run: ResponseRun, done: Done,
                special_ids: frozenset[int]) -> StoredResponse | None:
     """The context a finished response leaves for `previous_response_id` (None when it
-    failed or was cancelled): its prompt + output ids, and the conversation with its
-    answer as an assistant turn (calls as the model wrote them: see context.py)."""
+    failed or was cancelled): its prompt + output ids (calls as the model wrote them: see
+    context.py), and the conversation with its answer as an assistant turn (its text and
+    its calls, for a conversation rendered anew)."""
     if done.finish_reason not in ("stop", "length", "tool_calls"):
         return None
     req = run.request
     messages = run.messages
     if req.generate:
         text = "".join(run.text)
-        if run.output.calls:
-            out = [t for t in run.output_ids if t not in special_ids]
-            text = tokenizer.decode(out)
-        messages = messages + (ChatMessage("assistant", text),)
+        calls = [ToolCall(id=c.call_id, function=FunctionCall(c.name, c.arguments))
+                 for c in run.output.calls]
+        messages = messages + (ChatMessage("assistant", text or None, tool_calls=calls or None),)
     output = run.output_ids if req.generate else []
     return context_after(run.id, run.prompt_ids, output, messages, req.instructions,
                          special_ids, run.tools_key)

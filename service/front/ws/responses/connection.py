@@ -159,6 +159,6 @@ class ResponsesConnection(SocketActor):
         context for `previous_response_id`."""
         if self.runs.get(run.request.stream_id) is run:
             del self.runs[run.request.stream_id]
-        context = context_of(run, done, self.engine.tokenizer, self._special_ids)
+        context = context_of(run, done, self._special_ids)
         if context is not None:
             self.store.put(context, store=run.request.store)

@@ -20,7 +20,10 @@ template renders its tool list at the top): `tools_key` tells them apart.
 
 A turn that called functions is kept as the assistant's raw text (the calls as the model
 wrote them), so the text that follows its content is the same in either case; a native
-template would render a `tool_calls` turn's calls after its content.
+template would render a `tool_calls` turn's calls after its content. The generic style's
+turn that brings the functions' results is the exception: it renders the conversation
+anew, its past calls as sentences (a small model shown its own call envelope calls
+again; `tools.history_turns`), and the cache hits up to the call.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ def _up_to_last_content(pt: PromptTokenizer, turns: list[ChatMessage],
     return ids
 
 
+def _generic_results(tools: ToolPlan | None, new: Sequence[ChatMessage]) -> bool:
+    """The generic tool style gets function results: its past calls are rendered anew as
+    sentences (`tools.history_turns`), not kept as the envelope the model wrote."""
+    return tools is not None and not tools.native and any(m.role == "tool" for m in new)
+
+
 def build_prompt(pt: PromptTokenizer, previous: StoredResponse | None,
                  instructions: str | None, new: Sequence[ChatMessage], *,
                  generate: bool, tools: ToolPlan | None = None
@@ -92,7 +101,7 @@ def build_prompt(pt: PromptTokenizer, previous: StoredResponse | None,
     messages = tuple(history) + tuple(new)
     turns = _turns(instructions, messages)
     if previous is not None and previous.instructions == instructions and history \
-            and previous.tools_key == tools_key(tools):
+            and previous.tools_key == tools_key(tools) and not _generic_results(tools, new):
         k = len(turns) - len(new) - 1  # the turn whose content ends previous's context
         ids = list(previous.token_ids)
         if generate:
