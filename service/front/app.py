@@ -120,7 +120,7 @@ def build_app(engine: EngineClient, config: ServerConfig,
     routes = [Route("/health", health), Route("/metrics", metrics),
               Route("/", chat_page), Route("/index.html", chat_page),
               WebSocketRoute(STREAM_PATH, stream), WebSocketRoute(RESPONSES_PATH, responses),
-              *openai.routes(), responses_http.route()]
+              *openai.routes(), *responses_http.route_list()]
     # CORS for browser pages calling the HTTP routes (a WebSocket needs none): the Origins
     # --allowed-origins lists, every one when it lists none (as the guard allows), preflights
     # answered before the guard (they carry no key); the guard still refuses other Origins.

@@ -111,6 +111,40 @@ def test_responses_stream_helper_and_previous_response_id(client):
     assert info.value.code == "previous_response_not_found"
 
 
+def test_retrieve_and_delete_a_stored_response(server, client):
+    """GET /v1/responses/{id} gives the response as served, DELETE forgets it; an id not
+    kept (deleted, store=false, unknown) is a 404, and a deleted one cannot be continued."""
+    first = client.responses.create(model=MODEL, input="Name a color.", temperature=0,
+                                    max_output_tokens=8)
+    got = client.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    streamed = client.responses.create(model=MODEL, input="Name a fruit.", stream=True,
+                                       max_output_tokens=8)
+    final = [e for e in streamed
+             if e.type in ("response.completed", "response.incomplete")][0].response
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    r = httpx.get(server.base_url + f"/responses/{first.id}?stream=true",
+                  headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    assert httpx.get(server.base_url + f"/responses/{first.id}").status_code == 401  # no key
+    r = httpx.delete(server.base_url + f"/responses/{first.id}",
+                     headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json() == {"id": first.id, "object": "response",
+                                                 "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as e:  # as OpenAI answers it
+        client.responses.create(model=MODEL, input="And another?", previous_response_id=first.id,
+                                max_output_tokens=4)
+    assert e.value.code == "previous_response_not_found"
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    client.responses.delete(final.id)  # the SDK's delete: a 200 it reads as None
+
+
 def test_text_format_json_schema_over_http(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population": {"type": "integer"}},

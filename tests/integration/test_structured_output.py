@@ -101,6 +101,17 @@ def test_vllm_structured_outputs_on_both_routes(client):
     assert re.fullmatch(r"x[0-9]{2}", r.choices[0].text)
 
 
+def test_llama_cpp_json_schema_and_grammar_fields(client):
+    """llama.cpp's server's top-level `json_schema` and `grammar` (GBNF) fields."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write an example"}], max_tokens=6,
+        extra_body={"json_schema": {"const": "42"}})
+    assert r.choices[0].message.content == '"42"'
+    r = client.completions.create(model=MODEL, prompt="Say: ", max_tokens=6,
+                                  extra_body={"grammar": 'root ::= "a"{5,5}'})
+    assert r.choices[0].text == "aaaaa"
+
+
 def test_llama_cpp_json_object_with_a_schema(client):
     """llama.cpp's extension: response_format json_object with a `schema` is constrained
     to the schema (it was ignored until 2026-12-06: output that did not validate)."""
@@ -188,6 +199,8 @@ def test_many_tools_and_no_tool_choice_answer_or_call(client):
     ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
      "structured_outputs.choice"),
+    ({"grammar": "root ::= nothing"}, "grammar"),
+    ({"json_schema": {"type": "integer", "minimum": 5, "maximum": 3}}, "json_schema"),
 ])
 def test_bad_constraints_are_400_and_the_server_goes_on(server, client, extra, param):
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}

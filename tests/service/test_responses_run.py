@@ -238,6 +238,17 @@ def test_store_false_keeps_only_the_latest() -> None:
         ResponseStore(0, 10)
 
 
+def test_store_delete_forgets_a_stored_or_the_latest_response() -> None:
+    store = ResponseStore(max_responses=8, max_tokens=1000)
+    store.put(stored("a", 5))
+    store.put(stored("b", 7))
+    assert store.delete("a") and store.get("a") is None and store.num_tokens == 7
+    assert store.delete("b") and store.get("b") is None and store.num_tokens == 0
+    assert not store.delete("b") and not store.delete("never")
+    store.put(stored("c", 5), store=False)
+    assert store.delete("c") and store.get("c") is None
+
+
 def test_context_after_drops_the_trailing_end_of_turn_token() -> None:
     ctx = context_after("r", [1, 2, 3], [7, 8, 2], (ChatMessage("user", "q"),), None,
                         special_ids=frozenset({0, 2}))

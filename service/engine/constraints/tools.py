@@ -12,8 +12,8 @@ Three styles, chosen per model from its chat template (`template_tool_style`, on
              llama.cpp's server's generic form: `{"response": "<the answer>"}`,
              `{"tool_call": {"name": ..., "arguments": {...}}}`, or with parallel calls
              `{"tool_calls": [{...}, ...]}` (the format's `envelope`; parsed by
-             `envelope_parser.EnvelopeParser`). Past calls are written into the
-             assistant turns in that form.
+             `envelope_parser.EnvelopeParser`). Past calls and their results are
+             written as sentences (`history_turns`).
 
              Why an envelope and not a plain answer beside the call form: a small chat
              model given the choice between free text and `<tool_call>` answers in free
@@ -33,11 +33,11 @@ Schemas, so a call always parses and its arguments validate:
 
 "A call" is exactly one call, unless the client asked for parallel calls
 (`parallel_tool_calls: true`; not the llama style, not a named function): then one or more,
-separated by a newline (generic: the `tool_calls` list). The call's JSON has no free whitespace (one way to write it), and
-after its closing text the grammar is complete, so the only token it allows is EOS: a
-model cannot drift into a second call or trailing text and spend max_tokens there (as
-llama.cpp's server and vLLM constrain a `required` call; llama.cpp also defaults
-`parallel_tool_calls` to false).
+separated by a newline (generic: the `tool_calls` list). The call's JSON has no free
+whitespace (one way to write it), and after its closing text the grammar is complete, so
+the only token it allows is EOS: a model cannot drift into a second call or trailing text
+and spend max_tokens there (as llama.cpp's server and vLLM constrain a `required` call;
+llama.cpp also defaults `parallel_tool_calls` to false).
 """
 
 from __future__ import annotations
@@ -229,16 +229,18 @@ class ToolPlan:
         call} or, with parallel calls, {"tool_calls":[call,...]}. Each kind opens with a
         literal (a literal beside a %json at the same place would trip llguidance's greedy
         lexer). The answer's string may also end at EOS, unclosed: a chat model ends its
-        turn with EOS, and one made to close a JSON string first rambles on instead
-        (SmolLM2-135M: 2 of 10 answers ran to max_tokens)."""
+        turn with EOS, and one made to close a JSON string first may ramble on instead
+        (SmolLM2-135M, a plain question with Open WebUI's tools: 2 of 10 answers ran to
+        max_tokens 60 with the string to close; with EOS allowed, none of 10 to 200)."""
         bodies = " | ".join(f"%json{json.dumps(_call_schema(t, self.format.args_key))}"
                             for t in tools)
         calls = (f'{lark_string(MANY_OPEN)} call_body ("," call_body)* "]}}"' if many
                  else f'{lark_string(ONE_OPEN)} call_body "}}"')
         rules = [f"calls: {calls}", f"call_body: {bodies}"]
         if self.choice == "auto":
+            close = lark_string('"}')
             rules = ["start: answer | calls", *rules,
-                     f'answer: {lark_string(ANSWER_OPEN)} ANSWER_TEXT? {lark_string(chr(34) + "}")}?',
+                     f"answer: {lark_string(ANSWER_OPEN)} ANSWER_TEXT? {close}?",
                      f"ANSWER_TEXT: /{_JSON_STRING_TEXT}/"]
         else:
             rules.insert(0, "start: calls")
@@ -272,15 +274,14 @@ def _function_dict(t: Tool) -> dict[str, Any]:
     return out
 
 
-def _call_schema(t: Tool, args_key: str, top: bool = True) -> dict[str, Any]:
+def _call_schema(t: Tool, args_key: str) -> dict[str, Any]:
     """JSON Schema of one call's object: the name (constant) first, then the arguments.
-    Objects closed (`close_objects`); `top`: with llguidance's options (`_X_GUIDANCE`)."""
+    Objects closed (`close_objects`), with llguidance's options (`_X_GUIDANCE`)."""
     params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
-    schema: dict[str, Any] = {
-        "type": "object",
-        "properties": {"name": {"const": t.function.name}, args_key: close_objects(params)},
-        "required": ["name", args_key], "additionalProperties": False}
-    return {**schema, "x-guidance": _X_GUIDANCE} if top else schema
+    return {"type": "object",
+            "properties": {"name": {"const": t.function.name}, args_key: close_objects(params)},
+            "required": ["name", args_key], "additionalProperties": False,
+            "x-guidance": _X_GUIDANCE}
 
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")

@@ -72,12 +72,16 @@ def bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
 def param_of(path: str | None, renames: dict[str, str]) -> str | None:
     """The wire's JSON path -> the OpenAI request's field: "$.params.top_p" -> "top_p",
     "$.messages[2].role" -> "messages[2].role"; `renames` maps our params back to the
-    field the client sent (max_tokens -> max_completion_tokens)."""
+    field the client sent (max_tokens -> max_completion_tokens; a rename that starts with
+    "=" names the client's field whole, whatever part of ours is blamed: guided_json ->
+    response_format.json_schema.schema is blamed as "guided_json")."""
     if path is None:
         return None
     p = path.removeprefix("$.").removeprefix("params.").replace("[...]", "")  # a dict's value
     head, sep, tail = p.partition(".")
     base = head.split("[")[0]
+    if base in renames and renames[base].startswith("="):
+        return renames[base][1:]
     if base in renames:
         head = renames[base] + head[len(base):]
     p = head + sep + tail

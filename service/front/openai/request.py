@@ -26,6 +26,7 @@ Structured output (both routes), one source per request:
     structured_outputs         vLLM's {"json": schema, "json_object": true, "regex": ...,
                                "choice": [...], "grammar": ...}
     guided_json, guided_regex, guided_choice, guided_grammar   vLLM's older names for them
+    json_schema, grammar       llama.cpp's server's fields (a schema; GBNF or Lark)
 They become the engine's `response_format` / `structured` params, checked there (a bad
 schema or regex is a 400 naming the field the client sent).
 
@@ -49,7 +50,7 @@ from service.front.openai.errors import OpenAIError, bad
 
 MAX_N = 16
 _ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-            "guided_grammar": "grammar"}
+            "guided_grammar": "grammar", "json_schema": "json", "grammar": "grammar"}
 STRUCTURED_FIELDS = {"response_format", "structured_outputs", *_ALIASES,
                      "guided_decoding_backend"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}
@@ -293,7 +294,7 @@ def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str
         renames["response_format"] = "response_format"
     elif key == "json_object":
         params["response_format"] = {"type": "json_object"}
-        renames["response_format"] = field
+        renames["response_format"] = "=" + field
     elif key in ("json", "guided_json"):
         if isinstance(value, str):
             try:
@@ -302,11 +303,11 @@ def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str
                 raise bad(field, f"{field} is not valid JSON: {e}") from None
         params["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "structured_outputs", "schema": value}}
-        renames["response_format"] = field
+        renames["response_format"] = "=" + field  # the schema is blamed as the field
     else:
         base = key if key in ("regex", "choice", "grammar") else _ALIASES[key]
         params["structured"] = {base: value}
-        renames["structured"] = field.removesuffix(f".{base}") if "." in field else field
+        renames["structured"] = field.removesuffix(f".{base}") if "." in field else "=" + field
 
 
 def tool_fields(body: dict) -> dict[str, Any]:

@@ -22,11 +22,18 @@ as on a socket, but from one store for the whole route (`--responses-http-max-st
 connection. `store: false` keeps nothing (over HTTP there is no connection whose latest
 response could be continued). Responses of the WebSocket mode and of this route do not
 see each other's.
+
+`GET /v1/responses/{id}` returns a stored response of this route as it was served (the
+Response object; `stream=true` there is refused: nothing is replayed), and
+`DELETE /v1/responses/{id}` forgets it (`{"id", "object": "response", "deleted": true}`);
+an id the store does not hold (never stored, `store: false`, failed, cancelled, or dropped
+as the oldest) is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -80,9 +87,12 @@ class _HttpRun:
         self.events: asyncio.Queue[Struct] = asyncio.Queue()
         self.run: ResponseRun | None = None
         self.done = False
+        self.final: Any = None  # the Response of the terminal event
 
     def put(self, event: Struct) -> bool:
         self.events.put_nowait(event)
+        if isinstance(event, TERMINAL):
+            self.final = event.response
         return True
 
 
@@ -99,8 +109,10 @@ class ResponsesHttp:
         self.live: dict[str, _HttpRun] = {}
         self._special_ids: frozenset[int] | None = None
 
-    def route(self) -> Route:
-        return Route(RESPONSES_HTTP_PATH, self.create, methods=["POST"])
+    def route_list(self) -> list[Route]:
+        return [Route(RESPONSES_HTTP_PATH, self.create, methods=["POST"]),
+                Route(RESPONSES_HTTP_PATH + "/{response_id}", self.stored,
+                      methods=["GET", "DELETE"])]
 
     def abort_all(self) -> None:
         """Cancel every response in flight (a forced shutdown)."""
@@ -160,6 +172,31 @@ class ResponsesHttp:
             return self.routes._error(OpenAIError(500, message, code="server_error"))
         return Response(_encode(final), media_type="application/json")
 
+    async def stored(self, request: Request) -> Response:
+        """GET (the Response as served) or DELETE (forget it) of a stored response."""
+        response_id = request.path_params["response_id"]
+        path = RESPONSES_HTTP_PATH + "/{id}"
+        try:
+            self.routes._guard(request)
+            if request.method == "GET" and request.query_params.get("stream") in ("true", "1"):
+                raise OpenAIError(400, "stream=true on a stored response is not served: "
+                                  "nothing is replayed; retrieve it without stream",
+                                  param="stream", code="unsupported_parameter")
+            entry = self.store.get(response_id)
+            if entry is None or entry.body is None:
+                raise OpenAIError(404, f"Response with id '{response_id}' not found (this "
+                                  f"route keeps stored responses of its own, the oldest "
+                                  f"dropped first).", param="response_id", code="not_found")
+        except OpenAIError as e:
+            self.routes._count(path, e.status)
+            log_refusal(path, e, response_id)
+            return self.routes._error(e)
+        self.routes._count(path, 200)
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return Response(entry.body, media_type="application/json")
+
     def _run(self, live: _HttpRun, req: CreateRequest) -> ResponseRun:
         check_model(req, self.engine.model_name)
         defaults = self.engine.sampling_defaults
@@ -192,7 +229,9 @@ class ResponsesHttp:
             self._special_ids = frozenset(self.engine.tokenizer.all_special_ids)
         context = context_of(run, done, self._special_ids)
         if context is not None:
-            self.store.put(context)
+            final = live.final if live is not None else None
+            body = _encode(final) if final is not None else None
+            self.store.put(dataclasses.replace(context, body=body))
 
     async def _watch(self, live: _HttpRun, request: Request) -> None:
         """Cancel the response when the client disconnects (the body was read already)."""

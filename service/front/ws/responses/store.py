@@ -31,6 +31,8 @@ class StoredResponse:
     token_ids: [T] int32, the prompt + output token ids the engine processed, ending
         right after the last message's content (no end-of-turn token).
     tools_key: how the prompt rendered the tools (`context.tools_key`; None: no tools).
+    body: the Response object as served (JSON bytes), for `GET /v1/responses/{id}` of the
+        HTTP route (None: not kept, the WebSocket mode).
     """
 
     id: str
@@ -38,6 +40,7 @@ class StoredResponse:
     instructions: str | None
     token_ids: array
     tools_key: str | None = None
+    body: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +72,18 @@ class ResponseStore:
         if entry is None and self._latest is not None and self._latest.id == response_id:
             return self._latest
         return entry
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response (stored or the latest); False when it is not kept."""
+        found = False
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.num_tokens -= entry.num_tokens
+            found = True
+        if self._latest is not None and self._latest.id == response_id:
+            self._latest = None
+            found = True
+        return found
 
     def put(self, entry: StoredResponse, *, store: bool = True) -> None:
         """Keep `entry` as the latest response and, when `store`, in the store, dropping
