@@ -43,7 +43,8 @@ class LiveRequest:
                  "last_emit", "stop_string_hit", "tools")
 
     def __init__(self, req: Request, client_id: str, connection_id: str | None, sink: Sink,
-                 detok: IncrementalDetokenizer, tools: ToolCallParser | EnvelopeParser | None = None) -> None:
+                 detok: IncrementalDetokenizer,
+                 tools: ToolCallParser | EnvelopeParser | None = None) -> None:
         self.req = req
         self.client_id = client_id
         self.connection_id = connection_id
