@@ -200,6 +200,8 @@ def test_many_tools_and_no_tool_choice_answer_or_call(client):
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
      "structured_outputs.choice"),
     ({"grammar": "root ::= nothing"}, "grammar"),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}, "grammar": 'root ::= "b"'},
+     "grammar"),
     ({"json_schema": {"type": "integer", "minimum": 5, "maximum": 3}}, "json_schema"),
 ])
 def test_bad_constraints_are_400_and_the_server_goes_on(server, client, extra, param):

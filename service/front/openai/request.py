@@ -281,8 +281,8 @@ def structured_fields(body: dict, params: dict[str, Any], renames: dict[str, str
             if so.get(k) is not None and so.get(k) is not False:
                 given[k] = (f"structured_outputs.{k}", so[k])
     for old, k in _ALIASES.items():
-        if body.get(old) is not None:
-            given[k if k not in given else old] = (old, body[old])
+        if body.get(old) is not None:  # a second source keeps a key of its own
+            given[k if k not in given else "alias:" + old] = (old, body[old])
     if len(given) > 1:
         names = [field for field, _ in given.values()]
         raise bad(names[1], f"only one output constraint per request: {', '.join(names)}")
