@@ -86,3 +86,30 @@ def test_a_call_cut_in_its_closing_text_is_complete():
     out, _ = feed_in_pieces(p, '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_',
                             random.Random(7))
     assert out == "" and not p.partial and p.calls[0].function.arguments == '{"a":1}'
+
+
+def test_generic_history_writes_calls_and_results_as_sentences():
+    """The generic style's past calls are sentences and their results one user turn
+    (consecutive results merged); a native style keeps `tool_calls` and `tool` turns."""
+    from protocol import ChatMessage
+    from protocol.structured import FunctionCall, ToolCall
+    from service.engine.constraints.tools import history_turns
+
+    calls = [ToolCall(id="call_a", function=FunctionCall("get_weather", '{"city": "Oslo"}')),
+             ToolCall(id="call_b", function=FunctionCall("now", ""))]
+    messages = [ChatMessage("user", "Weather and time?"),
+                ChatMessage("assistant", None, tool_calls=calls),
+                ChatMessage("tool", "cold", tool_call_id="call_a"),
+                ChatMessage("tool", "noon", tool_call_id="call_b"),
+                ChatMessage("user", "Thanks")]
+    turns = history_turns(messages, "generic", "TOOLS")
+    assert turns == [
+        {"role": "system", "content": "TOOLS"},
+        {"role": "user", "content": "Weather and time?"},
+        {"role": "assistant", "content": 'I call get_weather with {"city":"Oslo"}. I call now with {}.'},
+        {"role": "user", "content": "get_weather returned: cold\nnow returned: noon"},
+        {"role": "user", "content": "Thanks"}]
+    native = history_turns(messages, "hermes", None)
+    assert [t["role"] for t in native] == ["user", "assistant", "tool", "tool", "user"]
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert native[2]["tool_call_id"] == "call_a"

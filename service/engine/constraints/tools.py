@@ -307,6 +307,7 @@ def history_turns(messages: Sequence[ChatMessage], style: str,
     """
     turns: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> function name (generic results)
+    results: dict[str, Any] | None = None  # the generic results turn the last one opened
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.tool_calls:
@@ -324,18 +325,16 @@ def history_turns(messages: Sequence[ChatMessage], style: str,
             if style == "generic":
                 name = names.get(m.tool_call_id or "") or m.name or "The function"
                 said = f"{name} returned: {m.content or ''}"
-                if turns and turns[-1].get("tool_results"):
-                    turns[-1]["content"] += "\n" + said
+                if results is not None and turns[-1] is results:
+                    results["content"] += "\n" + said
                     continue
-                turn = {"role": "user", "content": said, "tool_results": True}
+                turn = results = {"role": "user", "content": said}
             else:
                 if m.tool_call_id is not None:
                     turn["tool_call_id"] = m.tool_call_id
                 if m.name is not None:
                     turn["name"] = m.name
         turns.append(turn)
-    for turn in turns:
-        turn.pop("tool_results", None)
     if system_prompt:
         if turns and turns[0]["role"] == "system":
             turns[0]["content"] = system_prompt + "\n\n" + turns[0]["content"]
