@@ -8,18 +8,9 @@ import random
 
 from service.engine.constraints.envelope_parser import EnvelopeParser, tool_parser
 from service.engine.constraints.tools import FORMATS
+from tests.service.test_tool_parser import feed_in_pieces
 
 ANSWER = 'Caf\u00e9 "quoted" \\ back\nslash / tab\t and \U0001F600 done'
-
-
-def feed_in_pieces(parser, text: str, rng: random.Random):
-    out, pieces, i = "", [], 0
-    while i < len(text):
-        j = i + rng.randint(1, 5)
-        t, d = parser.feed(text[i:j])
-        out, pieces, i = out + t, pieces + d, j
-    t, d = parser.finish()
-    return out + t, pieces + d
 
 
 def test_the_generic_format_gets_the_envelope_parser():

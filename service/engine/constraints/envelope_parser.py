@@ -75,7 +75,7 @@ class EnvelopeParser:
         if self._mode == "answer":
             return self._decode(text), []
         if self._mode == "calls":
-            return "", self._inner.feed(text)[1]
+            return self._inner.feed(text)
         return text, []
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
