@@ -32,7 +32,7 @@ from kernels import decode_attention_cpu as dac
 from kernels import quant_linear_cpu as qlc
 from kernels.cpu_attention_io import KV_DTYPE_CODES
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
-from kernels.quant_pack import PackedWeight
+from kernels.packed_parts import AnyPacked, PackedParts
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_forward_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -54,7 +54,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [("fn", _p), ("fmt", _i64), ("in_features", _i64), ("out_features", _i64),
                 ("padded_out", _i64), ("group", _i64), ("w", _p), ("scale", _p),
                 ("minv", _p), ("bias", _p), ("sup_scale", _p), ("sup_min", _p),
-                ("super_group", _i64)]
+                ("super_group", _i64), ("next", _p)]
 
 
 # ConveyorModel::kv_kind: the caches' element type, by the attention kernels' codes
@@ -135,7 +135,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(packed: PackedWeight, isa: str) -> _Linear:
+def _linear(packed: AnyPacked, isa: str, keep: list[_Linear]) -> _Linear:
+    """The kernel's struct for `packed`; a split weight's later parts are chained by `next`
+    (their structs appended to `keep`, which must outlive every call)."""
+    if isinstance(packed, PackedParts):
+        tail = None
+        for part in reversed(packed.parts[1:]):
+            node = _linear(part, isa, keep)
+            node.next = None if tail is None else ctypes.addressof(tail)
+            keep.append(node)
+            tail = node
+        head = _linear(packed.parts[0], isa, keep)
+        head.next = ctypes.addressof(tail)
+        return head
     return _Linear(qlc.entry_point(isa), qlc.format_code(packed.fmt), packed.in_features,
                    packed.out_features, packed.padded_out, packed.group, packed.data.data_ptr(),
                    _ptr(packed.scale), _ptr(packed.minv), _ptr(packed.bias),
@@ -144,13 +156,14 @@ def _linear(packed: PackedWeight, isa: str) -> _Linear:
 
 @dataclass(frozen=True)
 class FusedLayer:
-    """One decoder layer's weights for the fused forward: (packed weight, isa) per linear,
-    the norms' weights [H] and the layer's KV cache [2, num_blocks, block_size, Hkv, D]."""
+    """One decoder layer's weights for the fused forward: (packed weight, isa) per linear (a
+    split weight, ``kernels.packed_parts``, is called part by part), the norms' weights [H]
+    and the layer's KV cache [2, num_blocks, block_size, Hkv, D]."""
 
-    qkv: tuple[PackedWeight, str]
-    o: tuple[PackedWeight, str]
-    gate_up: tuple[PackedWeight, str]
-    down: tuple[PackedWeight, str]
+    qkv: tuple[AnyPacked, str]
+    o: tuple[AnyPacked, str]
+    gate_up: tuple[AnyPacked, str]
+    down: tuple[AnyPacked, str]
     ln1: torch.Tensor
     ln2: torch.Tensor
     kv: torch.Tensor
@@ -179,7 +192,7 @@ class FusedForward:
         KernelBuildError: a kernel it needs does not build here.
     """
 
-    def __init__(self, layers: Sequence[FusedLayer], lm_head: tuple[PackedWeight, str],
+    def __init__(self, layers: Sequence[FusedLayer], lm_head: tuple[AnyPacked, str],
                  embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  *, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float) -> None:
@@ -222,9 +235,11 @@ class FusedForward:
                              f"does not fit [{vocab}, {hidden}]")
         self._lib = LIBRARY.load()
         dac.load_kernel()
-        self._keep = (layers, lm_head, tensors, caches)
+        tails: list[_Linear] = []  # split weights' later parts, chained by pointer
+        self._keep = (layers, lm_head, tensors, caches, tails)
         self._layers = (_Layer * len(layers))(*[
-            _Layer(_linear(*L.qkv), _linear(*L.o), _linear(*L.gate_up), _linear(*L.down),
+            _Layer(_linear(*L.qkv, tails), _linear(*L.o, tails), _linear(*L.gate_up, tails),
+                   _linear(*L.down, tails),
                    L.ln1.data_ptr(), L.ln2.data_ptr(), L.kv.data_ptr()) for L in layers])
         attention = ctypes.cast(dac.entry_point(), _p).value
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim,
@@ -232,8 +247,8 @@ class FusedForward:
                              eps, scale, _KV_KINDS[kv.dtype],
                              ctypes.addressof(self._layers),
                              None if self._embed_rows is not None else embed.data_ptr(),
-                             norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), _linear(*lm_head),
-                             attention)
+                             norm.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                             _linear(*lm_head, tails), attention)
         self.vocab_size = vocab
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -22,6 +22,10 @@ once. The legacy types fit it with sc = 1: Q8_0 ``d q``, Q5_0 ``d (q - 16)``, Q4
 | any mix of Q2_K..Q6_K | i8_k, super-block 256 | 9.125 |
 | Q5_1, or a mix with a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) | i8_k, super-block 32 | 10 |
 
+A fused weight whose parts' own formats differ (Q4_K_M's qkv: Q4_K q and k, a Q6_K v) is
+served split instead (``split_runs``, ``kernels.packed_parts``): each run of parts in its own
+format, no more bytes than the mix's i8_k.
+
 Other types (IQ*, TQ*, Q8_K, a float type mixed with a block type) get None from
 ``gguf_format``: served dequantized by the caller.
 
@@ -78,6 +82,28 @@ def gguf_format(types: Sequence[str]) -> str | None:
     if kinds <= {"Q8_0", "Q5_0"}:
         return "q8_0"
     return "i8_k"
+
+
+def split_runs(types: Sequence[str]) -> list[tuple[str, list[int]]] | None:
+    """How a fused weight whose parts have these GGUF types is served as a split weight
+    (``kernels.packed_parts``): [(format, the parts' indices)] for each run of consecutive
+    parts whose types have the same format of their own (``gguf_format`` of each), or None
+    where that is one format for all, or some part has no format of ours or is a float
+    type. A split never
+    reads more bytes than one ``i8_k`` over the mix: each run's own format takes at most
+    i8_k's bits. E.g. ("Q4_K", "Q4_K", "Q6_K") (Q4_K_M's qkv) -> [("q4_k", [0, 1]),
+    ("q6_k", [2])]: 4.625 and 6.5625 bits a weight instead of 9.125; Q5_K_M's ("Q5_K", "Q5_K",
+    "Q6_K") -> [("i8_k", [0, 1]), ("q6_k", [2])]."""
+    runs: list[tuple[str, list[int]]] = []
+    for i, t in enumerate(types):
+        fmt = gguf_format([t])
+        if fmt is None or fmt == "f32":
+            return None
+        if runs and fmt == runs[-1][0]:
+            runs[-1][1].append(i)
+        else:
+            runs.append((fmt, [i]))
+    return runs if len(runs) > 1 else None
 
 
 def dequantize_gguf(gguf_type: str, raw: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
+from kernels.packed_parts import AnyPacked, PackedParts
 from kernels.quant_pack import PackedWeight
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_linear_cpu.cpp"
@@ -108,14 +109,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
+def quant_linear(x: torch.Tensor, packed: AnyPacked, isa: str,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` with W (and the bias) from `packed`.
 
     Args:
         x: [M, K] float32 on the CPU, unit stride along K (rows may be further apart, e.g. a
             slice of a fused projection). M may be 0.
-        packed: the weight, from ``kernels.quant_pack.pack_*``.
+        packed: the weight, from ``kernels.quant_pack.pack_*``, or a split weight
+            (``kernels.packed_parts.PackedParts``: one kernel call a part, each writing its
+            columns of y).
         isa: the build to use, one of ``available_isas()``.
         out: [M, N] float32 with unit stride along N to write into, or None (a new tensor).
 
@@ -143,6 +146,12 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
                          f"along N, got {out.dtype} shape {tuple(out.shape)} strides {out.stride()}")
     if m == 0:
         return out
+    if isinstance(packed, PackedParts):
+        col = 0
+        for part in packed.parts:
+            quant_linear(x, part, isa, out[:, col:col + part.out_features])
+            col += part.out_features
+        return out
     fn = _library(isa).conveyor_qlinear_ex
     rc = fn(FORMAT_CODES[packed.fmt], x.data_ptr(), max(x.stride(0), k), m, k, n,
             packed.padded_out, packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),
@@ -154,11 +163,14 @@ def quant_linear(x: torch.Tensor, packed: PackedWeight, isa: str,
     return out
 
 
-def dequantize(packed: PackedWeight, isa: str) -> torch.Tensor:
+def dequantize(packed: AnyPacked, isa: str) -> torch.Tensor:
     """[N, K] float32: the weight of `packed` as the kernel multiplies by it (``unpack`` in
-    ``kernels.quant_pack`` is the reference), computed with the OpenMP pool.
+    ``kernels.quant_pack`` is the reference; a split weight: its parts' rows in order),
+    computed with the OpenMP pool.
 
     Raises ValueError for an unknown isa, KernelBuildError when its build is unavailable."""
+    if isinstance(packed, PackedParts):
+        return torch.cat([dequantize(p, isa) for p in packed.parts])
     out = torch.empty(packed.out_features, packed.in_features, dtype=torch.float32)
     rc = _library(isa).conveyor_qdequant_ex(
         FORMAT_CODES[packed.fmt], packed.data.data_ptr(), _ptr(packed.scale), _ptr(packed.minv),

@@ -50,6 +50,8 @@ typedef int (*attention_fn)(int kv_dtype, const float* q, int64_t q_row_stride,
 
 // One linear layer y [M, N] = x [M, K] W^T (+ bias): conveyor_qlinear_ex's arguments
 // (sup_scale, sup_min, super_group: the K-quant formats' super-block scales; null, 0 else).
+// next: null, or the next part of a split weight (kernels/packed_parts.py): the parts' outputs
+// are consecutive column ranges of one row of y, out_features of each in turn.
 struct ConveyorLinear {
   qlinear_fn fn;
   int64_t fmt, in_features, out_features, padded_out, group;
@@ -60,6 +62,7 @@ struct ConveyorLinear {
   const void* sup_scale;
   const void* sup_min;
   int64_t super_group;
+  const ConveyorLinear* next;
 };
 
 struct ConveyorLayer {
@@ -152,11 +155,19 @@ inline void silu_mul_row(const float* gu, int64_t I, float* out) {
   }
 }
 
+// y [M, N] with rows N apart; a split weight calls its parts in turn, each writing its columns.
 inline int linear(const ConveyorLinear& l, const float* x, int64_t x_stride, int64_t M, float* y,
                   int threads) {
-  return l.fn(static_cast<int>(l.fmt), x, x_stride, M, l.in_features, l.out_features,
-              l.padded_out, l.w, l.scale, l.minv, l.group, l.sup_scale, l.sup_min, l.super_group,
-              l.bias, y, l.out_features, threads);
+  int64_t n = 0;
+  for (const ConveyorLinear* p = &l; p != nullptr; p = p->next) n += p->out_features;
+  for (const ConveyorLinear* p = &l; p != nullptr; p = p->next) {
+    const int rc = p->fn(static_cast<int>(p->fmt), x, x_stride, M, p->in_features,
+                         p->out_features, p->padded_out, p->w, p->scale, p->minv, p->group,
+                         p->sup_scale, p->sup_min, p->super_group, p->bias, y, n, threads);
+    if (rc != 0) return rc;
+    y += p->out_features;
+  }
+  return 0;
 }
 
 // Runs body(m) for every row, over the threads when there are enough rows to pay for it.

@@ -11,8 +11,9 @@ block type our kernels reproduce exactly becomes a packed weight for them
 | Q8_0; Q5_0 (q - 16) | q8_0 | 8.5 (Q5_0: 5.5 in the file) |
 | Q4_K | q4_k: its super-blocks (6-bit scales and mins per 32, fp16 d, dmin per 256) | 4.625 (4.5) |
 | Q6_K | q6_k: its 4 + 2-bit values, int8 scale per 16, fp16 d per 256 | 6.5625 (the file's) |
-| Q2_K .. Q6_K, any mix of them (Q4_K_M's qkv with a Q6_K v) | i8_k: 8-bit values, K-style scales | 9.1 |
-| Q5_1, a mix with Q4_0 .. Q8_0 | i8_k over super-blocks of 32 | 10 |
+| Q2_K, Q3_K, Q5_K, or a mix of them | i8_k: 8-bit values, K-style scales | 9.1 |
+| Q5_1, or a mix of it with Q4_0 .. Q8_0 | i8_k over super-blocks of 32 | 10 |
+| parts in different formats of the above (Q4_K_M's qkv: Q4_K q, k and a Q6_K v) | split: each run of parts in its own (``kernels.packed_parts``) | each part's |
 | F32, F16, BF16 | dense fp32 | 32 |
 | IQ*, TQ*, ... | dense fp32, dequantized (one warning) | 32 |
 
@@ -38,7 +39,8 @@ import numpy as np
 import torch
 
 from kernels.quant_pack import PackedWeight, pack_q4_1_blocks, pack_q8_0_blocks
-from kernels.gguf_pack import gguf_format, pack_gguf
+from kernels.gguf_pack import gguf_format, pack_gguf, split_runs
+from kernels.packed_parts import SPLIT, AnyPacked, PackedParts
 from service.worker.gguf_file import GGUFFile
 from service.worker.huge_pages import empty_on_huge_pages, release_pages
 
@@ -129,9 +131,11 @@ def _cat(parts: list[BlockWeight]) -> BlockWeight:
 
 def served_format(gguf_types: Sequence[str]) -> str | None:
     """Our packed format for a weight whose parts have these GGUF types
-    (``kernels.gguf_pack.gguf_format``: q4_1, q8_0, q4_k, i8_k), or None: served from its
-    dequantized fp32 weight (a type no kernel of ours reproduces; float types, which fp32
-    holds exactly)."""
+    (``kernels.gguf_pack.gguf_format``: q4_1, q8_0, q4_k, i8_k, q6_k; "split" where the parts'
+    own formats differ, ``split_runs``), or None: served from its dequantized fp32 weight (a
+    type no kernel of ours reproduces; float types, which fp32 holds exactly)."""
+    if split_runs(gguf_types) is not None:
+        return SPLIT
     fmt = gguf_format(gguf_types)
     return None if fmt == "f32" else fmt
 
@@ -181,8 +185,9 @@ class RawBlocks:
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
         return _cat([_decode(t, r, self.in_features) for t, r in zip(self.gguf_types, self.raw)])
 
-    def pack(self, bias: torch.Tensor | None = None) -> PackedWeight:
-        """The packed weight for our kernels (``kernels.gguf_pack.pack_gguf``), equal to
+    def pack(self, bias: torch.Tensor | None = None) -> AnyPacked:
+        """The packed weight for our kernels (``kernels.gguf_pack.pack_gguf``; a split weight
+        of such, ``kernels.packed_parts.PackedParts``, where ``fmt`` is "split"), equal to
         ``dequantize()`` bit for bit, written straight into a huge-page arena (the decode
         weights' pages, ``service.worker.weight_pages``; no move afterwards). Raises
         ValueError where ``fmt`` is None."""
@@ -192,7 +197,17 @@ class RawBlocks:
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             parts = [(t, torch.from_numpy(np.ascontiguousarray(r)))
                      for t, r in zip(self.gguf_types, self.raw)]
-        return pack_gguf(parts, bias, allocate=empty_on_huge_pages)
+        runs = split_runs(self.gguf_types)
+        if runs is None:
+            return pack_gguf(parts, bias, allocate=empty_on_huge_pages)
+        packed, start = [], 0
+        for _, indices in runs:
+            rows = sum(parts[i][1].shape[0] for i in indices)
+            packed.append(pack_gguf([parts[i] for i in indices],
+                                    None if bias is None else bias[start:start + rows],
+                                    allocate=empty_on_huge_pages))
+            start += rows
+        return PackedParts(tuple(packed))
 
     def head_rows(self, rows: int) -> tuple[RawBlocks, torch.Tensor]:
         """(the first `rows` rows of each part, as one weight; their row indices in this

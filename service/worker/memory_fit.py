@@ -163,6 +163,20 @@ def dense_bytes(config: object, bytes_per_weight: float) -> int:
                      * bytes_per_weight)
 
 
+def served_bytes(blocks: object) -> int:
+    """Bytes one GGUF linear weight (``RawBlocks``) takes in the format serving it
+    (BITS_PER_WEIGHT; fp32 where it has none; a split weight each part in its own)."""
+    fmt, k = blocks.fmt, blocks.in_features  # type: ignore[attr-defined]
+    if fmt == "split":
+        from kernels.gguf_pack import split_runs
+
+        runs = split_runs(blocks.gguf_types) or []  # type: ignore[attr-defined]
+        return sum(math.ceil(sum(blocks.raw[i].shape[0] for i in idx)  # type: ignore[attr-defined]
+                             * k * BITS_PER_WEIGHT[f] / 8) for f, idx in runs)
+    bits = BITS_PER_WEIGHT.get(fmt, 9.0) if fmt is not None else 32.0
+    return math.ceil(blocks.out_features * k * bits / 8)  # type: ignore[attr-defined]
+
+
 def weights_need(config: object, blocks: object | None, embedding_bytes: int = 0
                  ) -> tuple[int, int]:
     """(resident bytes of the served weights, bytes held only while loading).
@@ -179,8 +193,7 @@ def weights_need(config: object, blocks: object | None, embedding_bytes: int = 0
     layers = blocks.layers  # type: ignore[attr-defined]
     resident = embedding_bytes + 4 * 3 * config.hidden_size * config.num_hidden_layers  # type: ignore[attr-defined]
     for b in layers.values():
-        bits = BITS_PER_WEIGHT.get(b.fmt, 9.0) if b.fmt is not None else 32.0
-        resident += math.ceil(b.out_features * b.in_features * bits / 8)
+        resident += served_bytes(b)
     firsts = [b for (i, _), b in layers.items() if i in (0, None)]
     transient = sum(4 * b.out_features * b.in_features for b in firsts)
     return resident, transient

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.packed_parts import PackedParts
 from kernels.quant_pack import PackedWeight
 from service.worker.huge_pages import on_huge_pages, slots_on_huge_pages
 from service.worker.quantization.paths import CppLinear
@@ -57,16 +58,18 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
     # copy: one copy of each weight, never two.
     tensors: dict[int, torch.Tensor] = {}
     for fn in decode.values():
-        for f in fields:
-            t = getattr(fn.packed, f)
-            if t is not None and not on_huge_pages(t):  # packed there already: stays
-                tensors.setdefault(id(t), t)
-    readers: dict[int, list[tuple[CppLinear, str]]] = {k: [] for k in tensors}
+        for _, part in _parts(fn):
+            for f in fields:
+                t = getattr(part, f)
+                if t is not None and not on_huge_pages(t):  # packed there already: stays
+                    tensors.setdefault(id(t), t)
+    readers: dict[int, list[tuple[CppLinear, int | None, str]]] = {k: [] for k in tensors}
     for fn in every.values():
-        for f in fields:
-            t = getattr(fn.packed, f)
-            if t is not None and id(t) in readers:
-                readers[id(t)].append((fn, f))
+        for i, part in _parts(fn):
+            for f in fields:
+                t = getattr(part, f)
+                if t is not None and id(t) in readers:
+                    readers[id(t)].append((fn, i, f))
     slots = slots_on_huge_pages(list(tensors.values()))
     moved = 0
     # one tensor at a time: copied, then every reader switched to the copy, so the old one
@@ -75,7 +78,19 @@ def packed_weights_on_huge_pages(model: LlamaModel, max_rows: int = 31) -> int:
         old = tensors.pop(key)
         slot.copy_(old)
         moved += slot.numel() * slot.element_size()
-        for fn, f in readers.pop(key):
-            fn.packed = dataclasses.replace(fn.packed, **{f: slot})
+        for fn, i, f in readers.pop(key):
+            if i is None:
+                fn.packed = dataclasses.replace(fn.packed, **{f: slot})
+            else:  # a split weight's part
+                parts = list(fn.packed.parts)
+                parts[i] = dataclasses.replace(parts[i], **{f: slot})
+                fn.packed = PackedParts(tuple(parts))
         del old
     return moved
+
+
+def _parts(fn: CppLinear) -> list[tuple[int | None, PackedWeight]]:
+    """(index in a split weight or None, packed weight) of what `fn` multiplies by."""
+    if isinstance(fn.packed, PackedParts):
+        return list(enumerate(fn.packed.parts))
+    return [(None, fn.packed)]

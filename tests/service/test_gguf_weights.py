@@ -11,6 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from kernels.packed_parts import PackedParts, unpack_any  # noqa: E402
 from kernels.quant_pack import unpack  # noqa: E402
 from service.worker import gguf_weights as gw  # noqa: E402
 
@@ -81,15 +82,21 @@ def test_fused_qkv_and_gate_up_rows_in_transformers_order(tmp_path) -> None:
     assert not got.dequantized
 
 
-def test_types_without_a_kernel_are_served_dequantized_and_mixes_as_i8_k(tmp_path) -> None:
+def test_types_without_a_kernel_are_served_dequantized_and_mixes_split(tmp_path) -> None:
     _write(tmp_path / "m.gguf", {"blk.0.ffn_down": T.F16, "blk.0.attn_v": T.Q8_0,
-                                 "blk.0.ffn_up": T.Q5_0})
+                                 "blk.0.ffn_up": T.Q5_0, "blk.0.attn_output": T.Q5_1})
     got = gw.read_linear_weights(str(tmp_path / "m.gguf"), 1, HEADS, KV_HEADS)
     # F16: fp32 holds it exactly, served as a dense layer and not reported as lost
     assert got.dequantized[(0, "down")] == ("F16",)
     assert got.dequantized_types() == {}
-    # a Q4_1 / Q8_0 mix and a Q4_1 / Q5_0 mix: 8-bit K-style blocks, still exact
+    # a Q4_1 / Q8_0 mix and a Q4_1 / Q5_0 mix: each part in its own format (q4_1 then
+    # q8_0), still exact
     for key in ((0, "qkv"), (0, "gate_up")):
-        assert got.native[key].fmt == "i8_k"
-        assert torch.equal(unpack(got.native[key].pack()), got.native[key].dequantize())
-    assert got.native[(0, "o")].fmt == "q4_1"
+        assert got.native[key].fmt == "split"
+        packed = got.native[key].pack()
+        assert isinstance(packed, PackedParts)
+        assert [p.fmt for p in packed.parts] == ["q4_1", "q8_0"]
+        assert torch.equal(unpack_any(packed), got.native[key].dequantize())
+    # Q5_1 has no format of its own but 8-bit K-style blocks
+    assert got.native[(0, "o")].fmt == "i8_k"
+    assert torch.equal(unpack(got.native[(0, "o")].pack()), got.native[(0, "o")].dequantize())

@@ -4,12 +4,11 @@ paths and a fake timer: deterministic, no kernel timed."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from kernels.quant_pack import unpack
+from kernels.packed_parts import unpack_any
 from service.worker.quantization import choice, paths
 from service.worker.quantization.linear import DenseLinear
 from service.worker.quantization.paths import PATHS, LinearPath, candidates
@@ -383,33 +382,18 @@ def test_fusable_buckets_lean_to_cpp_paths_within_the_slack(cpp_ms, expect) -> N
     assert plain.choices["qkv"] == ("fast",) * 4
 
 
-@dataclass(frozen=True)
-class _RawBlocks:
-    """What the paths use of ``gguf_weights.BlockWeight`` (fmt, pack) over raw GGUF rows."""
-
-    gguf_types: tuple[str, ...]
-    raw: tuple[torch.Tensor, ...]
-
-    @property
-    def fmt(self) -> str | None:
-        from kernels.gguf_pack import gguf_format
-        return gguf_format(self.gguf_types)
-
-    def pack(self, bias: torch.Tensor | None = None):
-        from kernels.gguf_pack import pack_gguf
-        return pack_gguf(list(zip(self.gguf_types, self.raw)), bias)
-
-
 def _k_layer(types: tuple[str, ...], n: int, k: int):
     """GGUF K-quant parts of a fused layer: the blocks and their dequantized fp32 weight."""
     from kernels.gguf_pack import dequantize_gguf
     from tests.kernels.test_gguf_pack import random_raw
+    from service.worker.gguf_weights import RawBlocks
     raw = tuple(random_raw(t, n, k, seed=i) for i, t in enumerate(types))
-    return _RawBlocks(types, raw), torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raw)])
+    return (RawBlocks(types, tuple(r.numpy() for r in raw), k),
+            torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raw)]))
 
 
-@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q4_K", "Q4_K", "Q6_K"), "i8_k"),
-                                        (("Q6_K",), "q6_k")])
+@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q5_K", "Q5_K", "Q3_K"), "i8_k"),
+                                        (("Q4_K", "Q4_K", "Q6_K"), "split"), (("Q6_K",), "q6_k")])
 def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     blocks, w = _k_layer(types, 64, 256)
     assert blocks.fmt == fmt
@@ -435,11 +419,13 @@ def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
                               False, timer=timer, natives={"qkv": blocks})
     assert plan.choices["qkv"][0] == path and plan.errors["qkv"][path][0] < 1e-6
     lin = PATHS[path].bind(lw)
-    assert lin.packed.fmt == fmt and torch.equal(unpack(lin.packed), w)
+    assert lin.packed.fmt == fmt and torch.equal(unpack_any(lin.packed), w)
     lin16 = x16.bind(lw)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     want = x.double() @ w.double().t()
-    assert lin16.packed.fmt == f"{fmt}x16" and lin16.packed.data is lin.packed.data
+    assert lin16.packed.fmt == f"{fmt}x16"
+    parts = (lambda p: p.parts if fmt == "split" else (p,))
+    assert all(a.data is b.data for a, b in zip(parts(lin16.packed), parts(lin.packed)))
     assert float((lin16(x).double() - want).norm() / want.norm()) < 1e-4
 
 
@@ -463,7 +449,7 @@ def test_a_blocks_only_layer_is_checked_on_each_parts_first_rows() -> None:
     assert lw.check_sample(1000) is lw  # nothing to cut
     dense = choice.LayerWeights(want, bias)
     assert dense.check_sample(8) is dense  # a dense layer is checked whole
-    path = PATHS["cpp-i8_k-avx2"]
+    path = PATHS["cpp-split-avx2"]
     if path.problem() is not None:
         return
 
@@ -473,3 +459,25 @@ def test_a_blocks_only_layer_is_checked_on_each_parts_first_rows() -> None:
     plan = choice.choose_plan({"qkv": (None, bias)}, [path], "auto", False, timer=timer,
                               natives={"qkv": blocks}, native_only=True, use_cache=False)
     assert plan.choices["qkv"][0] == path.name and plan.errors["qkv"][path.name][0] < 1e-6
+
+
+def test_a_layer_in_another_format_than_its_class_keeps_the_chosen_activations() -> None:
+    # Q4_K_M: layer 0's qkv is split (a Q6_K v), layer 2's all Q4_K: the plan chosen on layer
+    # 0 serves layer 2 with q4_k's own paths, int16 activations where the choice took them
+    from service.worker.quantization.plan import substitute
+    split, _ = _k_layer(("Q4_K", "Q4_K", "Q6_K"), 64, 256)
+    plain, w = _k_layer(("Q4_K", "Q4_K", "Q4_K"), 64, 256)
+    lw = choice.LayerWeights(None, None, native=plain)
+    assert substitute("cpp-splitx16-avx2", lw, False) == "cpp-q4_kx16-avx2"
+    assert substitute("cpp-split-avx512", lw, True) == "cpp-q4_k-avx512"
+    assert substitute("split-dequant-mm", lw, False).startswith("cpp-q4_k-")
+    dense = choice.LayerWeights(w, None)
+    assert substitute("cpp-splitx16-avx2", dense, False) == "cpp-f32-avx2"
+    plan = LinearPlan("auto", False, {"qkv": ("cpp-split-avx2",) * 2 + ("cpp-splitx16-avx2",) * 2},
+                      natives={(0, "qkv"): split, (2, "qkv"): plain})
+    if PATHS["cpp-split-avx2"].problem() is not None:
+        return
+    assert plan.make_linear("qkv", None, None, layer=2).names == \
+        ("cpp-q4_k-avx2",) * 2 + ("cpp-q4_kx16-avx2",) * 2
+    first = plan.make_linear("qkv", None, None, layer=0)
+    assert first.names == plan.choices["qkv"] and first.fns[0].packed.fmt == "split"

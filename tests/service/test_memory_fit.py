@@ -76,6 +76,24 @@ def _memory_cgroup() -> Path | None:
     return path
 
 
+def test_a_split_weight_counts_each_part_in_its_own_format() -> None:
+    import numpy as np
+
+    from service.worker.gguf_weights import RawBlocks
+    from service.worker.memory_fit import BITS_PER_WEIGHT, served_bytes
+
+    def blocks(types, rows):  # only the row counts are read
+        return RawBlocks(types, tuple(np.zeros((n, 1), np.uint8) for n in rows), 4096)
+
+    qkv = blocks(("Q4_K", "Q4_K", "Q6_K"), (4096, 1024, 1024))  # Llama-3.1-8B, Q4_K_M
+    assert qkv.fmt == "split"
+    want = (5120 * 4096 * BITS_PER_WEIGHT["q4_k"] + 1024 * 4096 * BITS_PER_WEIGHT["q6_k"]) / 8
+    assert served_bytes(qkv) == want
+    assert served_bytes(qkv) < 6144 * 4096 * 9.125 / 8  # the i8_k it replaces
+    assert served_bytes(blocks(("Q4_K",), (4096,))) == 4096 * 4096 * 4.625 / 8
+    assert served_bytes(blocks(("IQ2_XS",), (4096,))) == 4096 * 4096 * 4  # fp32
+
+
 def test_served_need_counts_the_cache_and_swap_in_whole_blocks() -> None:
     # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64; 16-token blocks of fp32 K and V
     cfg = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,

@@ -210,8 +210,10 @@ def test_clones_compute_the_same_on_other_memory() -> None:
               "q8_0": BlockWeight(("Q8_0",), "q8_0", q.to(torch.int8) - 8,
                                   torch.rand(64, 1).half(), None),
               "q4_k": RawBlocks(("Q4_K",), (random_raw("Q4_K", 64, 256).numpy(),), 256),
-              "i8_k": RawBlocks(("Q4_K", "Q6_K"), (random_raw("Q4_K", 32, 256).numpy(),
-                                                    random_raw("Q6_K", 32, 256).numpy()), 256),
+              "i8_k": RawBlocks(("Q5_K", "Q3_K"), (random_raw("Q5_K", 32, 256).numpy(),
+                                                    random_raw("Q3_K", 32, 256).numpy()), 256),
+              "split": RawBlocks(("Q4_K", "Q6_K"), (random_raw("Q4_K", 32, 256).numpy(),
+                                                     random_raw("Q6_K", 32, 256).numpy()), 256),
               "q6_k": RawBlocks(("Q6_K",), (random_raw("Q6_K", 64, 256).numpy(),), 256)}
     for name, path in PATHS.items():
         if path.problem() is not None:
@@ -225,5 +227,6 @@ def test_clones_compute_the_same_on_other_memory() -> None:
         for attr in ("weight", "qweight", "packed"):
             if hasattr(lin, attr):
                 a, c = getattr(lin, attr), getattr(twin, attr)
-                a, c = (a.data, c.data) if attr == "packed" else (a, c)
+                if attr == "packed":  # a split weight: its first part's
+                    a, c = (getattr(a, "parts", (a,))[0].data, getattr(c, "parts", (c,))[0].data)
                 assert a.data_ptr() != c.data_ptr(), name

@@ -11,10 +11,11 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
 | ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
-| ``cpp-{q4_k,i8_k,q6_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; any K-quant mix in 8 bits; Q6_K), ours | fp32 | yes |
+| ``cpp-{q4_k,i8_k,q6_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; Q2_K, Q3_K, Q5_K and mixes in 8 bits; Q6_K), ours | fp32 | yes |
+| ``cpp-split-{avx512,avx2}`` | a fused layer whose parts' blocks differ (Q4_K_M's qkv), each part in its own format | fp32 | yes |
 | ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
-| ``cpp-{q4_1,q8_0,q4_k,i8_k,q6_k}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
-| ``{int8,int4,q4_1,q8_0,q4_k,i8_k,q6_k}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``cpp-{q4_1,q8_0,q4_k,i8_k,q6_k,split}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
+| ``{int8,int4,q4_1,q8_0,q4_k,i8_k,q6_k,split}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
@@ -22,8 +23,9 @@ here), ``auto-a8`` (auto's candidates plus the ``x8`` paths: the checkpoint's ow
 times int8 activations, llama.cpp's CPU numerics; faster, not exact), and ``auto`` (the
 default): the checkpoint's own weights, never re-quantized, never int8 activations: a
 GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0 paths, one in Q4_K the q4_k
-paths, one all in Q6_K the q6_k paths, one in other K-quants (or a mix: Q4_K_M's qkv with a
-Q6_K attn_v) the i8_k paths,
+paths, one all in Q6_K the q6_k paths, one in other K-quants the i8_k paths, one whose parts
+are in different formats (Q4_K_M's qkv with a Q6_K attn_v) the split paths (each part in its
+own),
 over its own blocks (``service.worker.gguf_weights``, ``kernels.gguf_pack``: the format is
 ``native.fmt``) beside ``fp32`` and ``cpp-f32``
 over the same weights dequantized; any other layer ``fp32`` / ``cpp-f32`` / ``bf16``.
@@ -57,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import quant_linear_cpu as qlc
+from kernels.packed_parts import AnyPacked, per_part
 from kernels.quant_pack import (PackedWeight, pack_f32, pack_int4, pack_int8,
                                  with_int8_activations, with_int16_activations)
 from service.worker.quantization.linear import DenseLinear
@@ -118,7 +121,7 @@ class CppLinear:
 
     __slots__ = ("packed", "isa", "in_features", "out_features")
 
-    def __init__(self, packed: PackedWeight, isa: str) -> None:
+    def __init__(self, packed: AnyPacked, isa: str) -> None:
         self.packed, self.isa = packed, isa
         self.out_features, self.in_features = packed.out_features, packed.in_features
 
@@ -160,7 +163,7 @@ class DequantLinear:
 
     __slots__ = ("packed", "isa", "bias", "in_features", "out_features")
 
-    def __init__(self, packed: PackedWeight, isa: str) -> None:
+    def __init__(self, packed: AnyPacked, isa: str) -> None:
         self.packed, self.isa = packed, isa
         self.out_features, self.in_features = packed.out_features, packed.in_features
         self.bias = None if packed.bias is None else packed.bias[:packed.out_features]
@@ -173,8 +176,8 @@ class DequantLinear:
         return DequantLinear(_clone_packed(self.packed), self.isa)
 
 
-def _clone_packed(p: PackedWeight) -> PackedWeight:
-    return dataclasses.replace(p, data=p.data.clone())
+def _clone_packed(p: AnyPacked) -> AnyPacked:
+    return per_part(lambda q: dataclasses.replace(q, data=q.data.clone()), p)
 
 
 class LayerWeights:
@@ -225,11 +228,11 @@ class LayerWeights:
 
     @property
     def native_fmt(self) -> str | None:
-        """"q4_1", "q8_0", "q4_k", "i8_k", "q6_k" or None (no native blocks)."""
+        """"q4_1", "q8_0", "q4_k", "i8_k", "q6_k", "split" or None (no native blocks)."""
         return None if self.native is None else self.native.fmt
 
     @functools.cached_property
-    def packed_native(self) -> PackedWeight:
+    def packed_native(self) -> AnyPacked:
         assert self.native is not None, "no native blocks for this layer"
         return self.native.pack(self.bias)
 
@@ -255,7 +258,7 @@ class LinearPath:
     never depends on the other rows of the call. quantizes_activations: needs SmoothQuant'd
     weights. bind: builds the callable. problem: why the path cannot run here (None when it
     can). native: the format of a checkpoint's own blocks it runs ("q4_1", "q8_0", "q4_k",
-    "i8_k", "q6_k"; it serves only layers that have them), or None (any layer). min_rows:
+    "i8_k", "q6_k", "split"; it serves only layers that have them), or None (any layer). min_rows:
     offered for calls of at least this many rows. error_bound: its own relative error bound (None: the mode's).
     activation_bits: what x is rounded to before the product (32: fp32, as given).
     rounds_weights: it rounds the weights themselves (bf16): offered to a layer that has a
@@ -314,8 +317,8 @@ def _dequant_problem() -> str | None:
 
 _PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
            "q4_1": "packed_native", "q8_0": "packed_native", "q4_k": "packed_native",
-           "i8_k": "packed_native", "q6_k": "packed_native"}
-_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k", "q6_k")
+           "i8_k": "packed_native", "q6_k": "packed_native", "split": "packed_native"}
+_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k", "q6_k", "split")
 """Formats of a checkpoint's own blocks (``native.fmt``) that have paths."""
 _ACT_NATIVE = ("q4_1", "q8_0")
 """Those with int8 activation variants (x8)."""
@@ -340,7 +343,8 @@ def _cpp_act16(fmt: str, isa: str) -> LinearPath:
     multiplied with ``vpmaddwd`` / ``vpdpwssd``: the same weights, under ACT16_ERROR_BOUND.
     Offered in auto and auto-a8."""
     return LinearPath(f"cpp-{fmt}x16-{isa}", "auto", True, False,
-                      lambda lw: CppLinear(with_int16_activations(lw.packed_native), isa),
+                      lambda lw: CppLinear(per_part(with_int16_activations, lw.packed_native),
+                                           isa),
                       _isa_problem(isa), native=fmt, error_bound=ACT16_ERROR_BOUND,
                       activation_bits=16)
 
@@ -382,6 +386,8 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("i8_k"),
     *[_cpp("q6_k", isa) for isa in qlc.VARIANTS],
     _dequant("q6_k"),
+    *[_cpp("split", isa) for isa in qlc.VARIANTS],
+    _dequant("split"),
     *[_cpp_act8(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
     *[_cpp_act16(fmt, isa) for fmt in _ACT16_NATIVE for isa in qlc.VARIANTS],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),

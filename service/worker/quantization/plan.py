@@ -41,13 +41,17 @@ def bucket_rows(index: int) -> str:
 
 def substitute(name: str, lw: LayerWeights, batch_invariant: bool) -> str:
     """A path for a layer that the chosen path `name` cannot serve (it runs another native
-    format than the layer has): our kernel of the layer's own format on the same build
-    (``cpp-q8_0-avx2`` for ``cpp-q4_1-avx2``), else ``cpp-f32`` on that build when batch
-    invariant or the chosen path is row-invariant, else ``fp32``."""
+    format than the layer has): our kernel of the layer's own format on the same build, with
+    the same activations where that format has them (``cpp-q8_0-avx2`` for
+    ``cpp-q4_1-avx2``, ``cpp-q4_kx16-avx512`` for ``cpp-splitx16-avx512``), else ``cpp-f32``
+    on that build when batch invariant or the chosen path is row-invariant, else ``fp32``."""
     isa = name.rsplit("-", 1)[-1] if name.startswith("cpp-") else \
         (qlc.available_isas() or ("avx2",))[0]
-    if lw.native_fmt is not None and f"cpp-{lw.native_fmt}-{isa}" in PATHS:
-        return f"cpp-{lw.native_fmt}-{isa}"
+    act = "x16" if name.startswith("cpp-") and name.rsplit("-", 1)[0].endswith("x16") else ""
+    if lw.native_fmt is not None:
+        for own in (f"cpp-{lw.native_fmt}{act}-{isa}", f"cpp-{lw.native_fmt}-{isa}"):
+            if own in PATHS:
+                return own
     return f"cpp-f32-{isa}" if batch_invariant or PATHS[name].row_invariant else "fp32"
 
 
