@@ -15,11 +15,12 @@ once. The legacy types fit it with sc = 1: Q8_0 ``d q``, Q5_0 ``d (q - 16)``, Q4
 | GGUF types of the parts | format | bits a weight |
 |---|---|---|
 | all Q4_K | q4_k | 4.625 (file 4.5) |
+| all Q5_K | q5_k | 5.625 (file 5.5) |
 | all Q6_K | q6_k | 6.5625 (the file's) |
 | all Q4_0 / Q4_1 | q4_1 (Q4_0: min = -8 d, exact in fp16) | 5.0 |
 | all Q8_0 / Q5_0 | q8_0 (Q5_0: q - 16) | 8.5 |
 | all F32 / F16 / BF16 | f32 | 32 |
-| any mix of Q2_K..Q6_K | i8_k, super-block 256 | 9.125 |
+| Q2_K, Q3_K, or a mix of K-quants | i8_k, super-block 256 | 9.125 |
 | Q5_1, or a mix with a legacy type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) | i8_k, super-block 32 | 10 |
 
 A fused weight whose parts' own formats differ (Q4_K_M's qkv: Q4_K q and k, a Q6_K v) is
@@ -75,6 +76,8 @@ def gguf_format(types: Sequence[str]) -> str | None:
         return None
     if kinds == {"Q4_K"}:
         return "q4_k"
+    if kinds == {"Q5_K"}:
+        return "q5_k"
     if kinds == {"Q6_K"}:
         return "q6_k"
     if kinds <= {"Q4_0", "Q4_1"}:
@@ -92,8 +95,8 @@ def split_runs(types: Sequence[str]) -> list[tuple[str, list[int]]] | None:
     type. A split never
     reads more bytes than one ``i8_k`` over the mix: each run's own format takes at most
     i8_k's bits. E.g. ("Q4_K", "Q4_K", "Q6_K") (Q4_K_M's qkv) -> [("q4_k", [0, 1]),
-    ("q6_k", [2])]: 4.625 and 6.5625 bits a weight instead of 9.125; Q5_K_M's ("Q5_K", "Q5_K",
-    "Q6_K") -> [("i8_k", [0, 1]), ("q6_k", [2])]."""
+    ("q6_k", [2])]: 4.625 and 6.5625 bits a weight instead of 9.125; Q3_K_M's ("Q3_K", "Q3_K",
+    "Q5_K") -> [("i8_k", [0, 1]), ("q5_k", [2])]."""
     runs: list[tuple[str, list[int]]] = []
     for i, t in enumerate(types):
         fmt = gguf_format([t])
@@ -158,8 +161,8 @@ def pack_gguf(parts: Sequence[tuple[str, torch.Tensor]],
         size = min(b.size for b in blocks)
         blocks = [b.with_size(size) for b in blocks]
     b = _Blocks.cat(blocks)
-    if fmt == "q4_k":  # sc, m per 32: the form's per-16 values come in equal pairs
-        return pack_k_blocks("q4_k", b.q.to(torch.uint8), b.sc[:, ::2].to(torch.uint8),
+    if fmt in ("q4_k", "q5_k"):  # sc, m per 32: the form's per-16 values come in equal pairs
+        return pack_k_blocks(fmt, b.q.to(torch.uint8), b.sc[:, ::2].to(torch.uint8),
                              b.m[:, ::2].to(torch.uint8), b.d, b.dmin, bias)
     if fmt == "q6_k":  # q - 32 in the form; no min
         return pack_q6_k_blocks((b.q + 32).to(torch.uint8), b.sc.to(torch.int8), b.d, bias)

@@ -34,7 +34,10 @@ Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   significant bits at most). Stored as the file's bits regrouped (nibble lines and a
   high-bit line per 4 input channels, ``pack_q6_k_blocks``): 6.5625 bits a weight, as the
   file; layers that are all Q6_K (mixes stay i8_k);
-- ``q4_kx16``, ``i8_kx16``, ``q6_kx16``: q4_k's, i8_k's and q6_k's weights times x quantized
+- ``q5_k``: GGUF's Q5_K blocks (ggml's ``block_q5_K``): q4_k's scales and mins, 5-bit q in
+  [0, 31] stored per 8 input channels as four nibble lines and a line of high bits
+  (``_q5_lines``): 5.625 bits a weight (the file: 5.5);
+- ``q4_kx16``, ``i8_kx16``, ``q6_kx16``, ``q5_kx16``: q4_k's, i8_k's, q6_k's and q5_k's weights times x quantized
   to int16 per row and group of 32 (``ACT16_K_GROUP``; two groups of 16 in one share its
   scale), as
   ``q4_1x16``: each weight group's exact integer sum, then its float steps with the group's
@@ -58,7 +61,7 @@ import torch
 
 FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
 """The formats packed from fp32 weights (and from GGUF blocks: q4_1, q8_0)."""
-K_FORMATS = ("q4_k", "i8_k")
+K_FORMATS = ("q4_k", "i8_k", "q5_k")
 """The formats with super-block scales (``super_scale``, ``super_min``), from GGUF blocks only."""
 HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
 """Formats whose scale (and min) tensors are float16."""
@@ -69,7 +72,7 @@ Q8 activation blocks), over the weights of the format named: the same packed ten
 ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
 """The same with int16 activations (``with_int16_activations``; ``quantize_activations``
 with ``levels=32767``)."""
-K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k", "q6_kx16": "q6_k"}
+K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k", "q6_kx16": "q6_k", "q5_kx16": "q5_k"}
 """int16 activations over the K-quant weights (``with_int16_activations``), per row and group
 of ACT16_K_GROUP input channels whatever the weight's group."""
 ACT16_K_GROUP = 32
@@ -93,12 +96,13 @@ class PackedWeight:
     scale: int8 [Np] float32; int4 d [Np/64, ceil(K/group), 64] float32; q4_1, q8_0 d
         [Np/64, ceil(K/group), 64] float16; f32 None.
     minv: int4 [Np/64, ceil(K/group), 64] float32; q4_1 the same in float16; else None.
-    group: input channels per scale (int4, q4_1, q8_0, q4_k: 32, i8_k: 16); 0 otherwise.
-    (q4_1 and q4_k data is laid out as int4's, q8_0 and i8_k data as int8's.)
+    group: input channels per scale (int4, q4_1, q8_0, q4_k, q5_k: 32, i8_k: 16); 0 otherwise.
+    (q4_1 and q4_k data is laid out as int4's, q8_0 and i8_k data as int8's; q5_k data is
+    [Np/64, 5K/8, 64] uint8, ``_q5_lines``.)
     bias: [Np] float32 (zeros past N) or None.
-    K_FORMATS only: scale, minv are the groups' sc and m, [Np/64, K/group, 64] (q4_k uint8
+    K_FORMATS only: scale, minv are the groups' sc and m, [Np/64, K/group, 64] (q4_k, q5_k uint8
     in [0, 63], i8_k int8); super_scale, super_min: d and dmin [Np/64, K/super_group, 64]
-    float16; super_group: input channels per d (q4_k 256; i8_k 256 or 32). The weight is
+    float16; super_group: input channels per d (q4_k, q5_k 256; i8_k 256 or 32). The weight is
     ``(d * sc) * q - dmin * m`` in fp32 (``unpack``).
     q6_k: data [Np/64, 3K/4, 64] uint8 (per 4 input channels two nibble lines and a
     high-bit line, ``pack_q6_k_blocks``); scale sc [Np/64, K/16, 64] int8; super_scale d
@@ -367,13 +371,18 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
 
 
 def _unpack_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
-    """q4_k, i8_k: ``(d * sc) * q - dmin * m`` in fp32, as ggml's reference (and gguf-py)
+    """q4_k, q5_k, i8_k: ``(d * sc) * q - dmin * m`` in fp32, as ggml's reference (and gguf-py)
     compute it: d * sc, dmin * m and (d * sc) * q are exact, the subtraction rounds once."""
     n, k, np_ = packed.out_features, packed.in_features, packed.padded_out
     assert packed.scale is not None and packed.minv is not None
     assert packed.super_scale is not None and packed.super_min is not None
     if packed.fmt == "q4_k":
         q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k]
+    elif packed.fmt == "q5_k":
+        lines = rows.reshape(n, k // 8, 5)
+        nib = torch.stack([lines[..., :4] & 15, lines[..., :4] >> 4], dim=-1).reshape(n, k // 8, 8)
+        high = (lines[..., 4:5] >> torch.arange(8, dtype=torch.uint8)) & 1
+        q = (nib | (high << 4)).reshape(n, k)
     else:
         q = rows
     g_of_k = torch.arange(k) // packed.group
@@ -385,6 +394,18 @@ def _unpack_k(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     d1 = per_k(packed.super_scale, s_of_k) * per_k(packed.scale, g_of_k)
     dm = per_k(packed.super_min, s_of_k) * per_k(packed.minv, g_of_k)
     return d1 * q.float() - dm
+
+
+def _q5_lines(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] uint8 in [0, 31] (K a multiple of 8) -> [N, 5 K / 8]: per octet j of k, the
+    nibbles of k = 8j + 2i, 8j + 2i + 1 (low, high) for i < 4, then the eight high bits (bit
+    i: k = 8j + i)."""
+    n, k = q.shape
+    octet = q.view(n, k // 8, 8)
+    low = octet & 15
+    nibbles = low[..., 0::2] | (low[..., 1::2] << 4)                     # [N, K / 8, 4]
+    high = ((octet >> 4) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat([nibbles, high[..., None]], dim=-1).reshape(n, -1)
 
 
 def _q6_lines(q: torch.Tensor) -> torch.Tensor:
@@ -450,13 +471,13 @@ def pack_k_blocks(fmt: str, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
     dmin[n, s] * m[n, g]`` with g = k // group, s = k // super_group.
 
     fmt "q4_k": q [N, K] uint8 in [0, 15]; sc, m [N, K / 32] uint8 in [0, 63]; group 32,
-    super_group 256. fmt "i8_k": q [N, K] int8; sc, m [N, K / 16] int8; group 16,
+    super_group 256. fmt "q5_k": the same with q in [0, 31]. fmt "i8_k": q [N, K] int8; sc, m [N, K / 16] int8; group 16,
     super_group 256 or 32. d, dmin: [N, K / super_group] float16, finite. K a multiple of
     super_group. Raises ValueError for other shapes, dtypes or values."""
     if fmt not in K_FORMATS:
         raise ValueError(f"fmt must be one of {K_FORMATS}, got {fmt!r}")
-    group, dtype = (32, torch.uint8) if fmt == "q4_k" else (16, torch.int8)
-    if super_group not in ((256,) if fmt == "q4_k" else (256, 32)):
+    group, dtype = (16, torch.int8) if fmt == "i8_k" else (32, torch.uint8)
+    if super_group not in ((256, 32) if fmt == "i8_k" else (256,)):
         raise ValueError(f"{fmt}: super_group {super_group} not supported")
     if q.dim() != 2 or q.dtype != dtype or q.shape[0] < 1 or q.shape[1] < 1 or \
             q.shape[1] % super_group:
@@ -470,12 +491,13 @@ def pack_k_blocks(fmt: str, q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
             raise ValueError(f"{fmt}: {name} must be {dt} {shape}, got {t.dtype} {tuple(t.shape)}")
     if not bool(torch.isfinite(d).all() and torch.isfinite(dmin).all()):
         raise ValueError(f"{fmt}: d and dmin must be finite")
-    if fmt == "q4_k" and (int(q.max()) > 15 or int(sc.max()) > 63 or int(m.max()) > 63):
-        raise ValueError("q4_k: q must be in [0, 15], sc and m in [0, 63]")
+    top = {"q4_k": 15, "q5_k": 31}.get(fmt)
+    if top is not None and (int(q.max()) > top or int(sc.max()) > 63 or int(m.max()) > 63):
+        raise ValueError(f"{fmt}: q must be in [0, {top}], sc and m in [0, 63]")
     if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
         raise ValueError(f"bias must be float [out] = [{n}], got {bias.dtype} {tuple(bias.shape)}")
     np_ = _np(n)
-    data = _panels(_nibbles(q) if fmt == "q4_k" else q, np_)
+    data = _panels(_nibbles(q) if fmt == "q4_k" else _q5_lines(q) if fmt == "q5_k" else q, np_)
     return PackedWeight(fmt, n, k, data, _panels(sc, np_), _panels(m, np_),
                         _padded_bias(bias, np_), group, _panels(d, np_), _panels(dmin, np_),
                         super_group)
@@ -503,7 +525,7 @@ def with_int16_activations(packed: PackedWeight) -> PackedWeight:
 def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
     fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k, i8_k and q6_k"
+        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k, i8_k, q6_k and q5_k"
         raise ValueError(f"{what} activations serve {serves} weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
         raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "

@@ -28,7 +28,7 @@
 namespace {
 
 enum Type { Q4_0 = 0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K };
-enum Format { F_Q4_K = 0, F_Q6_K, F_I8_K, F_Q8_0, F_Q4_1 };
+enum Format { F_Q4_K = 0, F_Q6_K, F_I8_K, F_Q8_0, F_Q4_1, F_Q5_K };
 
 constexpr int kBlockWeights[] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256};
 constexpr int kBlockBytes[] = {18, 20, 22, 24, 34, 84, 110, 144, 176, 210};
@@ -159,10 +159,10 @@ inline T* column(T* base, int64_t p, int64_t cols, int64_t c) {
 struct Out {
   int fmt;
   int64_t k;           // input features
-  int64_t super_group;  // d / dmin per this many weights (q4_k, q6_k: 256; i8_k 256 or 32)
+  int64_t super_group;  // d / dmin per this many weights (q4_k, q5_k, q6_k: 256; i8_k 256 or 32)
   uint8_t* data;
-  uint8_t* scale;       // q4_k uint8, q6_k / i8_k int8, q8_0 / q4_1 fp16
-  uint8_t* minv;        // q4_k uint8, i8_k int8, q4_1 fp16; else null
+  uint8_t* scale;       // q4_k / q5_k uint8, q6_k / i8_k int8, q8_0 / q4_1 fp16
+  uint8_t* minv;        // q4_k / q5_k uint8, i8_k int8, q4_1 fp16; else null
   uint16_t* super_scale;
   uint16_t* super_min;
 };
@@ -178,6 +178,35 @@ bool emit(const Out& o, int type, int64_t p, int l0, int l1, int64_t blk, int si
       for (int j = 0; j < size / 2; ++j) {
         uint8_t* c = column(o.data, p, o.k / 2, k0 / 2 + j);
         for (int l = l0; l < l1; ++l) c[l] = uint8_t(f[l].q[2 * j] | (f[l].q[2 * j + 1] << 4));
+      }
+      for (int g = 0; g < size / 32; ++g) {
+        uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
+        uint8_t* mn = column(o.minv, p, o.k / 32, k0 / 32 + g);
+        for (int l = l0; l < l1; ++l) { sc[l] = uint8_t(f[l].sc[2 * g]); mn[l] = uint8_t(f[l].m[2 * g]); }
+      }
+      uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
+      uint16_t* dm = column(o.super_min, p, o.k / 256, blk);
+      for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
+      return true;
+    }
+    case F_Q5_K: {  // per 8 weights: nibbles of (k, k + 1) .. (k + 6, k + 7), the 8 high bits;
+                    // sc, m per 32; d, dmin per 256 (as q4_k)
+      const int64_t cols = 5 * o.k / 8;
+      for (int j = 0; j < size / 8; ++j) {
+        const int64_t c = 5 * (k0 / 8 + j);
+        for (int i = 0; i < 4; ++i) {
+          uint8_t* n = column(o.data, p, cols, c + i);
+          for (int l = l0; l < l1; ++l) {
+            const int16_t* q = f[l].q + 8 * j + 2 * i;
+            n[l] = uint8_t((q[0] & 15) | ((q[1] & 15) << 4));
+          }
+        }
+        uint8_t* h = column(o.data, p, cols, c + 4);
+        for (int l = l0; l < l1; ++l) {
+          int bits = 0;
+          for (int i = 0; i < 8; ++i) bits |= ((f[l].q[8 * j + i] >> 4) & 1) << i;
+          h[l] = uint8_t(bits);
+        }
       }
       for (int g = 0; g < size / 32; ++g) {
         uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
@@ -281,12 +310,13 @@ int conveyor_pack_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int 
                        int64_t row0, int fmt, int64_t k, int64_t super_group, uint8_t* data,
                        uint8_t* scale, uint8_t* minv, uint16_t* super_scale,
                        uint16_t* super_min) {
-  if (type < Q4_0 || type > Q6_K || fmt < F_Q4_K || fmt > F_Q4_1 || rows < 1 || row0 < 0)
+  if (type < Q4_0 || type > Q6_K || fmt < F_Q4_K || fmt > F_Q5_K || rows < 1 || row0 < 0)
     return -1;
   const int size = kBlockWeights[type];
   if (k % size || row_bytes != k / size * kBlockBytes[type]) return -1;
   if (fmt == F_I8_K && (super_group < 1 || size % super_group)) return -1;
   if ((fmt == F_Q4_K && type != Q4_K) || (fmt == F_Q6_K && type != Q6_K) ||
+      (fmt == F_Q5_K && type != Q5_K) ||
       (fmt == F_Q8_0 && type != Q8_0 && type != Q5_0) ||
       (fmt == F_Q4_1 && type != Q4_0 && type != Q4_1))
     return -1;

@@ -27,7 +27,9 @@
 //   q6_k (GGUF's Q6_K, w = (d[n, S] sc[n, g]) (q - 32), q in [0, 63], groups of 16): as q8_0
 //                with d1 = fp32(d) * sc (exact) for d: acc = fma(d1, s, acc) (i8_k's bits over
 //                the same blocks: their mins are 0)
-//   q4_1x16, q8_0x16, q4_kx16, i8_kx16, q6_kx16: the same weights times x quantized to int16
+//   q5_k (GGUF's Q5_K, w = (d[n, S] sc[n, g]) q - dmin[n, S] m[n, g], q in [0, 31], groups
+//                of 32): as q4_k (its 5-bit q decoded from nibbles and a high-bit line)
+//   q4_1x16, q8_0x16, q4_kx16, i8_kx16, q6_kx16, q5_kx16: the same weights times x quantized to int16
 //                per row and group of 32 (see "int16 activations" below)
 //   then y = y + bias[n]. So a row's output does not depend on how many rows share the call
 // or how the work is split: batch invariance for free, and the builds are bit-identical.
@@ -55,9 +57,13 @@
 //          sc [Np / 64, K / 16, 64] int8; d [Np / 64, K / 256, 64] fp16 (6.5625 bits a
 //          weight: GGUF's Q6_K block, its own bits regrouped; a one-row call streams each
 //          block's lines in order)
+//   q5_k:  w [Np / 64, 5 K / 8, 64] uint8, five lines per octet j of k (8j .. 8j + 7): lines
+//          5j + i (i < 4): byte c = q(c, 8j + 2i) & 15 | (q(c, 8j + 2i + 1) & 15) << 4, line
+//          5j + 4: byte c = sum over i < 8 of (q(c, 8j + i) >> 4) << i; sc, m, d, dmin as
+//          q4_k's (5.625 bits a weight: GGUF's Q5_K block is 5.5)
 // The C ABI passes scale / minv as float pointers; for q4_1 / q8_0 they point at fp16 data,
 // for q4_k / i8_k at the bytes sc and m (d and dmin: conveyor_qlinear_ex's sup_scale,
-// sup_min); for q6_k scale at sc and sup_scale at d (minv, sup_min unused).
+// sup_min); for q6_k scale at sc and sup_scale at d (minv, sup_min unused); q5_k as q4_k.
 // so a one-row call reads each block as one sequential stream. A panel is 16 channels (a
 // quarter of a block: one vector). A tile is R rows x C panels: for each k, C weight vectors
 // are loaded (and converted) once and multiplied into R x C accumulators by broadcasting
@@ -83,13 +89,14 @@ constexpr const char* kIsa = "avx512";
 // q8_0}: accumulators R x C vectors (grouped formats: twice: group sums and totals) in 32
 // vector registers.
 // q8_0}, then (codes 5-8, 11, 12: the activation-quantizing formats, not run by run<>) {q4_k,
-// i8_k}, then q6_k (code 13: unpacked in each tile: 6 x 2 tiles, 24 of the 32 registers).
-constexpr int kGemmRows[14] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6, 0, 0, 6},
-              kGemmPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 2},
-              kGemvPanels[14] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 4};
+// i8_k}, then q6_k (code 13: unpacked in each tile: 6 x 2 tiles, 24 of the 32 registers),
+// then (code 15) q5_k as q6_k.
+constexpr int kGemmRows[16] = {6, 6, 6, 6, 6, 0, 0, 0, 0, 6, 6, 0, 0, 6, 0, 6},
+              kGemmPanels[16] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 2, 0, 2},
+              kGemvPanels[16] = {4, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 0, 0, 4, 0, 4};
 // Whether many-row calls unpack int8 / int4 weights once per panel group (unpack_strip).
-constexpr bool kStrip[14] = {false, true, true, true, true, false, false, false, false, true, true,
-                             false, false, false};
+constexpr bool kStrip[16] = {false, true, true, true, true, false, false, false, false, true, true,
+                             false, false, false, false, false};
 struct V16 {
   __m512 v;
 };
@@ -122,14 +129,14 @@ constexpr const char* kIsa = "avx2";
 // sums + 4 unpacked weight vectors + 1 broadcast; q8_0, R = 6: 12 + 2 + 1. Measured on a
 // Zen 3 (AVX2, 2 threads) against R = 2: 1.3-1.6x at 16 rows ([3072 x 576] q4_1: 1.10 ->
 // 0.69 ms; the [49152 x 576] q8_0 LM head 14.2 -> 10.4 ms), the same at 1-2 rows.
-// q4_k as q4_1, i8_k and q6_k as q8_0 (codes 5-8, 11, 12 unused, as above).
-constexpr int kGemmRows[14] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6, 0, 0, 6},
-              kGemmPanels[14] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1},
-              kGemvPanels[14] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2, 0, 0, 2};
+// q4_k as q4_1, i8_k, q6_k and q5_k as q8_0 (codes 5-8, 11, 12, 14 unused, as above).
+constexpr int kGemmRows[16] = {4, 4, 5, 5, 6, 0, 0, 0, 0, 5, 6, 0, 0, 6, 0, 6},
+              kGemmPanels[16] = {1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 1},
+              kGemvPanels[16] = {4, 4, 2, 2, 2, 0, 0, 0, 0, 2, 2, 0, 0, 2, 0, 2};
 // int4 from a strip measured 1.5-2.5x slower here than unpacking in each tile (GCC 12 keeps
 // the group sums in memory when a V16 is two ymm registers); q8_0's group sums alike.
-constexpr bool kStrip[14] = {false, true, false, false, false, false, false, false, false, false,
-                             false, false, false, false};
+constexpr bool kStrip[16] = {false, true, false, false, false, false, false, false, false, false,
+                             false, false, false, false, false, false};
 struct V16 {
   __m256 lo, hi;
 };
@@ -175,17 +182,19 @@ inline V16 i8_to_f(__m128i q) {  // 16 int8 -> fp32 (exact)
 #error "quant_linear_cpu.cpp needs AVX-512 (F, BW) or AVX2 + FMA + F16C"
 #endif
 
-enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10, kQ6K = 13 };
+enum Format { kF32 = 0, kI8 = 1, kI4 = 2, kQ41 = 3, kQ80 = 4, kQ4K = 9, kI8K = 10, kQ6K = 13,
+              kQ5K = 15 };
 constexpr int kAct8Offset = 2;   // fmt 5, 6: q4_1, q8_0 weights with int8 activations
 constexpr int kAct16Offset = 4;  // fmt 7, 8: q4_1, q8_0 weights with int16 activations
 constexpr int kAct16KOffset = 2;  // fmt 11, 12: q4_k, i8_k weights with int16 activations
 constexpr int kQ6KAct16 = 14;     // fmt 14: q6_k weights with int16 activations
+constexpr int kQ5KAct16 = 16;     // fmt 16: q5_k weights with int16 activations
 // The activation group of int16 activations over the K-quants (q4_k's weight group; two of
 // i8_k's groups of 16).
 constexpr int64_t kAct16KGroup = 32;
 constexpr bool is_4bit(int f) { return f == kI4 || f == kQ41 || f == kQ4K; }
 constexpr bool is_8bit(int f) { return f == kI8 || f == kQ80 || f == kI8K; }
-constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K; }
+constexpr bool is_kquant(int f) { return f == kQ4K || f == kI8K || f == kQ5K; }
 constexpr bool has_supers(int f) { return is_kquant(f) || f == kQ6K; }  // sup_scale: d
 constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || has_supers(f); }
 constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
@@ -208,7 +217,7 @@ struct Problem {
   int64_t x_stride, M, K, N, Np;
   const void* w;
   const void* scale;  // int8: [Np] float; int4: d [Np/64, groups, 64] float; q4_1, q8_0: fp16
-  const void* minv;   // int4: [Np/64, groups, 64] float; q4_1: fp16
+  const void* minv;   // int4: [Np/64, groups, 64] float; q4_1: fp16; q4_k, q5_k: m, i8_k: m
   int64_t group, groups;
   const float* xsum;  // int4, q4_1, q4_k, i8_k: [M, groups], sum of x over each group (k in order)
   const float* bias;  // [Np] or null
@@ -244,7 +253,7 @@ inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& m
   } else if constexpr (is_kquant(Fmt)) {
     const int64_t soff = at(p, pb.supers, g * pb.group / pb.super_group);
     V16 sc, m;
-    if constexpr (Fmt == kQ4K) {
+    if constexpr (Fmt == kQ4K || Fmt == kQ5K) {
       sc = load_u8(static_cast<const uint8_t*>(pb.scale) + off);
       m = load_u8(static_cast<const uint8_t*>(pb.minv) + off);
     } else {
@@ -447,6 +456,74 @@ inline void tile_q6(const Problem& pb, const float* x, int64_t p0, V16 (&acc)[R]
   }
 }
 
+// q5_k, per group g of 32: tile_i4's operations (q4_k's: s = sum over the group's k, in
+// order, of fma(x[k], q[k], s), then acc = fma(xsum[g], min1, fma(d1, s, acc))) with q in
+// [0, 31] decoded from the octet's lines (kQ5Lines): the nibble lines of pairs
+// (8j + 2i, 8j + 2i + 1), i < 4, then the octet's high bits (bit i: k = 8j + i).
+constexpr int64_t kQ5Lines = 5;
+
+// Bit p of each byte of h moved to bit 4 (0x10), every other bit 0.
+inline __m128i q5_high(__m128i h, int p) {
+  const __m128i bit = _mm_set1_epi8(static_cast<char>(1 << p));
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bit), bit), _mm_set1_epi8(0x10));
+}
+
+// q of 16 channels at k and k + 1 (k even; int8 in [0, 31]): a (k), b (k + 1), from the
+// octet's lines (l: the block's line 5 (k / 8), at the panel's 16 bytes).
+inline void q5_pair(const uint8_t* l, int64_t line_bytes, int64_t k, __m128i& a, __m128i& b) {
+  const int i = static_cast<int>(k % 8) / 2;
+  const __m128i n = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + i * line_bytes));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 4 * line_bytes));
+  const __m128i m0f = _mm_set1_epi8(0x0F);
+  a = _mm_or_si128(_mm_and_si128(n, m0f), q5_high(h, 2 * i));
+  b = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), m0f), q5_high(h, 2 * i + 1));
+}
+
+template <int R, int C>
+inline void tile_q5(const Problem& pb, const float* x, const float* xsum, int64_t p0,
+                    V16 (&acc)[R][C]) {
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w);
+  const int64_t lines = pb.K / 8 * kQ5Lines;
+  const __m128i m0f = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    V16 s[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = zero();
+    const int64_t k1 = (g + 1) * pb.group;
+    for (int64_t k = g * pb.group; k < k1; k += 8) {
+      const int64_t j = k / 8 * kQ5Lines;
+      if constexpr (R == 1) {  // a one-row call streams: see kGemvPrefetchI4Bytes
+        const uint8_t* ahead = w + at(p0, lines, j) + kGemvPrefetchI4Bytes;
+        for (int i = 0; i < kQ5Lines; ++i) __builtin_prefetch(ahead + 64 * i);
+      }
+      __m128i h[C];
+      for (int c = 0; c < C; ++c)
+        h[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at(p0 + c, lines, j) + 4 * 64));
+      for (int i = 0; i < 4; ++i) {
+        V16 lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          const __m128i n =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at(p0 + c, lines, j) + 64 * i));
+          lo[c] = i8_to_f(_mm_or_si128(_mm_and_si128(n, m0f), q5_high(h[c], 2 * i)));
+          hi[c] = i8_to_f(
+              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), m0f), q5_high(h[c], 2 * i + 1)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const V16 xa = bcast(x[r * pb.x_stride + k + 2 * i]);
+          const V16 xb = bcast(x[r * pb.x_stride + k + 2 * i + 1]);
+          for (int c = 0; c < C; ++c) s[r][c] = fma(xb, hi[c], fma(xa, lo[c], s[r][c]));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      V16 d, mn;
+      group_scales<kQ5K>(pb, p0 + c, g, d, mn);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = fma(bcast(xsum[r * pb.groups + g]), mn, fma(d, s[r][c], acc[r][c]));
+    }
+  }
+}
+
 // For many rows: the weights of panels p0 .. p0+C-1 converted once to floats, [C][K][16]
 // (the int8 or int4 values q themselves, exact: no scale applied), so that every row block
 // reads them without unpacking again. The tiles below do the same fp32 operations on them
@@ -540,6 +617,8 @@ void tile(const Problem& pb, int64_t m0, int64_t p0, const float* strip = nullpt
     tile_f32<R, C>(pb, x, p0, acc);
   else if (Fmt == kQ6K)
     tile_q6<R, C>(pb, x, p0, acc);
+  else if (Fmt == kQ5K)
+    tile_q5<R, C>(pb, x, xsum, p0, acc);
   else if (strip != nullptr)
     tile_strip<Fmt, R, C>(pb, x, xsum, p0, strip, acc);
   else if (Fmt == kI8)
@@ -959,6 +1038,12 @@ inline void pair_weights16(const Problem& pb, int64_t p, int64_t k, __m256i& lo,
             k, qa, qb);
     a = _mm256_cvtepi8_epi16(qa);
     b = _mm256_cvtepi8_epi16(qb);
+  } else if constexpr (Fmt == kQ5K) {
+    __m128i qa, qb;
+    q5_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 8 * kQ5Lines, k / 8 * kQ5Lines), 64,
+            k, qa, qb);
+    a = _mm256_cvtepi8_epi16(qa);
+    b = _mm256_cvtepi8_epi16(qb);
   } else {
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
@@ -991,6 +1076,12 @@ inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
       const char* pw = static_cast<const char*>(pb.w) +
                        at(p0, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines) + kGemvPrefetchBytes;
       for (int i = 0; i < 3; ++i) __builtin_prefetch(pw + 64 * i);
+    }
+  } else if constexpr (Fmt == kQ5K) {  // an octet's five lines, once an octet
+    if (k % 8 == 0) {
+      const char* pw = static_cast<const char*>(pb.w) +
+                       at(p0, pb.K / 8 * kQ5Lines, k / 8 * kQ5Lines) + kGemvPrefetchBytes;
+      for (int i = 0; i < kQ5Lines; ++i) __builtin_prefetch(pw + 64 * i);
     }
   } else {
     const char* pw = static_cast<const char*>(pb.w) + at(p0, pb.K, k) + kGemvPrefetchBytes / 2;
@@ -1242,6 +1333,11 @@ __attribute__((target("avx512vnni"))) inline __m512i pair_weights_vnni(const Pro
     q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
             k, a, b);
     return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+  } else if constexpr (Fmt == kQ5K) {
+    __m128i a, b;
+    q5_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 8 * kQ5Lines, k / 8 * kQ5Lines), 64,
+            k, a, b);
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
   } else {  // rows k and k + 1 of the block, 64 bytes apart: interleave, then widen
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -1486,7 +1582,7 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
   if (fmt == kQ6K)  // no min: sup_min ignored
     return group == 16 && super_group == 256 && K % 256 == 0 && sup_scale != nullptr;
   if (!is_kquant(fmt)) return true;
-  const bool sizes = fmt == kQ4K ? group == 32 && super_group == 256
+  const bool sizes = fmt == kQ4K || fmt == kQ5K ? group == 32 && super_group == 256
                                  : group == 16 && (super_group == 256 || super_group == 32);
   return sizes && K % super_group == 0 && sup_scale != nullptr && sup_min != nullptr;
 }
@@ -1501,6 +1597,7 @@ inline bool kquant_args_ok(int fmt, int64_t K, int64_t group, const void* sup_sc
 // 9 q4_k, 10 i8_k (scale / minv point at sc / m; sup_scale / sup_min at d / dmin, fp16, one
 // per super_group input channels); 11 q4_k and 12 i8_k weights with int16 activations (per
 // group of 32); 13 q6_k (scale: sc, sup_scale: d, super_group 256, group 16), 14 q6_k with
+// int16 activations; 15 q5_k (as q4_k: sc, m, d, dmin; group 32, super_group 256), 16 q5_k with
 // int16 activations. Other formats ignore sup_scale, sup_min, super_group.
 int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, int64_t K,
                         int64_t N, int64_t Np, const void* w, const float* scale,
@@ -1508,11 +1605,12 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
                         const void* sup_min, int64_t super_group, const float* bias, float* y,
                         int64_t y_stride, int num_threads) {
   const bool act8 = fmt == kQ41 + kAct8Offset || fmt == kQ80 + kAct8Offset;
-  const bool act16_q6 = fmt == kQ6KAct16;
-  const bool act16_k = fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset || act16_q6;
+  const bool act16_q6 = fmt == kQ6KAct16, act16_q5 = fmt == kQ5KAct16;
+  const bool act16_k =
+      fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset || act16_q6 || act16_q5;
   const bool act16 = fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset || act16_k;
   if (act16_k) {
-    fmt = act16_q6 ? kQ6K : fmt - kAct16KOffset;  // K: a multiple of super_group (below)
+    fmt = act16_q6 ? kQ6K : act16_q5 ? kQ5K : fmt - kAct16KOffset;  // K: a multiple of super_group
   } else if (act8 || act16) {
     fmt -= act8 ? kAct8Offset : kAct16Offset;
     if (group <= 0 || group % 2 != 0 || K % group != 0 || (act16 && group > 256)) return 1;
@@ -1542,6 +1640,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
       case kQ4K: run_act16<kQ4K>(pb, num_threads); break;
       case kI8K: run_act16<kI8K>(pb, num_threads); break;
       case kQ6K: run_act16<kQ6K>(pb, num_threads); break;
+      case kQ5K: run_act16<kQ5K>(pb, num_threads); break;
       default: run_act16<kQ80>(pb, num_threads); break;
     }
     return 0;
@@ -1561,6 +1660,7 @@ int conveyor_qlinear_ex(int fmt, const float* x, int64_t x_stride, int64_t M, in
     case kQ4K: run<kQ4K>(pb, num_threads); break;
     case kI8K: run<kI8K>(pb, num_threads); break;
     case kQ6K: run<kQ6K>(pb, num_threads); break;
+    case kQ5K: run<kQ5K>(pb, num_threads); break;
     default: run<kQ80>(pb, num_threads); break;
   }
   return 0;
@@ -1587,6 +1687,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
   if (fmt == kQ41 + kAct16Offset || fmt == kQ80 + kAct16Offset) fmt -= kAct16Offset;
   if (fmt == kQ4K + kAct16KOffset || fmt == kI8K + kAct16KOffset) fmt -= kAct16KOffset;
   if (fmt == kQ6KAct16) fmt = kQ6K;
+  if (fmt == kQ5KAct16) fmt = kQ5K;
   if (!is_format(fmt) || K <= 0 || N <= 0 || Np < N || Np % 64 != 0 ||
       num_threads <= 0 || (is_grouped(fmt) && group <= 0) || (is_4bit(fmt) && group % 2 != 0) ||
       !kquant_args_ok(fmt, K, group, sup_scale, sup_min, super_group))
@@ -1606,7 +1707,7 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
   for (int64_t p = 0; p < panels; ++p) {
     const int valid = static_cast<int>(std::min<int64_t>(16, N - p * 16));
     alignas(64) float lo_t[16], hi_t[16];
-    const bool two = is_4bit(fmt) || fmt == kQ6K;  // values come in k pairs
+    const bool two = is_4bit(fmt) || fmt == kQ6K || fmt == kQ5K;  // values come in k pairs
     for (int64_t k = 0; k < K; k += (two ? 2 : 1)) {
       V16 lo, hi = zero();
       if (fmt == kF32) {
@@ -1630,6 +1731,14 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
         hi = i8_to_f(q[k % 4 + 1]);
         lo = mul(lo, d);  // (d sc) (q - 32): exact
         hi = mul(hi, d);
+      } else if (fmt == kQ5K) {  // fma(q, d1, min1), as q4_k
+        V16 d, m;
+        group_scales<kQ5K>(pb, p, k / group, d, m);
+        __m128i a, b;
+        q5_pair(static_cast<const uint8_t*>(w) + at(p, K / 8 * kQ5Lines, k / 8 * kQ5Lines), 64, k,
+                a, b);
+        lo = fma(i8_to_f(a), d, m);
+        hi = fma(i8_to_f(b), d, m);
       } else if (fmt == kQ4K) {
         V16 d, m;
         group_scales<kQ4K>(pb, p, k / group, d, m);

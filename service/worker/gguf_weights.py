@@ -10,8 +10,9 @@ block type our kernels reproduce exactly becomes a packed weight for them
 | Q4_1; Q4_0 (w = d (q - 8): min = -8 d, exact in fp16) | q4_1 | 5.0 (Q4_0: 4.5 in the file) |
 | Q8_0; Q5_0 (q - 16) | q8_0 | 8.5 (Q5_0: 5.5 in the file) |
 | Q4_K | q4_k: its super-blocks (6-bit scales and mins per 32, fp16 d, dmin per 256) | 4.625 (4.5) |
+| Q5_K | q5_k: its 4 + 1-bit values, Q4_K's scales | 5.625 (5.5) |
 | Q6_K | q6_k: its 4 + 2-bit values, int8 scale per 16, fp16 d per 256 | 6.5625 (the file's) |
-| Q2_K, Q3_K, Q5_K, or a mix of them | i8_k: 8-bit values, K-style scales | 9.1 |
+| Q2_K, Q3_K, or a mix of K-quants | i8_k: 8-bit values, K-style scales | 9.1 |
 | Q5_1, or a mix of it with Q4_0 .. Q8_0 | i8_k over super-blocks of 32 | 10 |
 | parts in different formats of the above (Q4_K_M's qkv: Q4_K q, k and a Q6_K v) | split: each run of parts in its own (``kernels.packed_parts``) | each part's |
 | F32, F16, BF16 | dense fp32 | 32 |

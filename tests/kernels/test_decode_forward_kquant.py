@@ -1,7 +1,7 @@
-"""The fused decode forward over q4_k / i8_k / q6_k layers (GGUF K-quant blocks): it passes their
+"""The fused decode forward over q4_k / q5_k / i8_k / q6_k layers (GGUF K-quant blocks): it passes their
 super-block scales to the linear kernel, so a step's logits match the same model with the
 same weights as fp32 panels (up to fp32 rounding; with int16 activations, q4_kx16 / i8_kx16 /
-q6_kx16, up to their rounding), on every build."""
+q6_kx16 / q5_kx16, up to their rounding), on every build."""
 
 from __future__ import annotations
 
@@ -39,20 +39,20 @@ def test_fused_step_over_k_formats_matches_fp32_panels(isa, act16, split) -> Non
     """split: the mixed qkv as a split weight (q4_k q and k, q6_k v: kernels.packed_parts),
     which the fused forward calls part by part; else one i8_k weight."""
     parts = {"qkv": [("Q4_K", HEADS * D), ("Q4_K", KV_HEADS * D), ("Q6_K", KV_HEADS * D)],
-             "o": [("Q4_K", H)], "gate_up": [("Q4_K", INTER), ("Q4_K", INTER)],
+             "o": [("Q4_K", H)], "gate_up": [("Q5_K", INTER), ("Q5_K", INTER)],
              "down": [("Q6_K", H)], "lm_head": [("Q6_K", VOCAB)]}
     k_of = {"o": HEADS * D, "down": INTER}
     raws = {name: [(t, random_raw(t, n, k_of.get(name, H), seed=i)) for i, (t, n) in enumerate(ps)]
             for name, ps in parts.items()}
     packed = {name: pack_gguf(r) for name, r in raws.items()}
-    assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k", "q6_k"}
+    assert {p.fmt for p in packed.values()} == {"q4_k", "i8_k", "q6_k", "q5_k"}
     if split:
         packed["qkv"] = PackedParts((pack_gguf(raws["qkv"][:2]), pack_gguf(raws["qkv"][2:])))
     dense = {name: pack_f32(unpack_any(p)) for name, p in packed.items()}
     if act16:
         packed = {name: per_part(with_int16_activations, p) for name, p in packed.items()}
         assert {p.fmt for p in packed.values()} == \
-            {"q4_kx16", "splitx16" if split else "i8_kx16", "q6_kx16"}
+            {"q4_kx16", "splitx16" if split else "i8_kx16", "q6_kx16", "q5_kx16"}
     step = (torch.tensor([3, 7]), torch.tensor([0, 0]), torch.tensor([0, 16]),
             torch.tensor([[0, 0], [1, 0]]), torch.tensor([1, 1]), torch.tensor([0, 1]))
     got = _model(packed, isa, torch.Generator().manual_seed(0))(*step)

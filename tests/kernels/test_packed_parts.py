@@ -17,11 +17,12 @@ from tests.kernels.test_gguf_pack import random_raw
 
 @pytest.mark.parametrize("types, runs", [
     (("Q4_K", "Q4_K", "Q6_K"), [("q4_k", [0, 1]), ("q6_k", [2])]),   # Q4_K_M's qkv
-    (("Q5_K", "Q5_K", "Q6_K"), [("i8_k", [0, 1]), ("q6_k", [2])]),   # Q5_K_M's
+    (("Q5_K", "Q5_K", "Q6_K"), [("q5_k", [0, 1]), ("q6_k", [2])]),   # Q5_K_M's
+    (("Q3_K", "Q3_K", "Q5_K"), [("i8_k", [0, 1]), ("q5_k", [2])]),   # Q3_K_M's
     (("Q6_K", "Q4_K", "Q4_K"), [("q6_k", [0]), ("q4_k", [1, 2])]),
     (("Q4_0", "Q4_1", "Q8_0"), [("q4_1", [0, 1]), ("q8_0", [2])]),
     (("Q4_K", "Q4_K", "Q4_K"), None),                                # one format: not split
-    (("Q5_K", "Q3_K"), None),                                        # i8_k both
+    (("Q2_K", "Q3_K"), None),                                        # i8_k both
     (("Q4_K", "F16"), None),                                         # a float part
     (("Q4_K", "IQ2_XS"), None),                                      # no format of ours
 ])

@@ -367,12 +367,12 @@ def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) ->
     assert bool(qlc.quant_linear(bad, packed, isa).isnan().all())
 
 
-# ---- GGUF K-quant formats (q4_k, i8_k) from raw blocks (kernels.gguf_pack) -------------
+# ---- GGUF K-quant formats (q4_k, q5_k, q6_k, i8_k) from raw blocks (kernels.gguf_pack) -------------
 
 K_MIXES = [("Q4_K",), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K",), ("Q5_K", "Q2_K", "Q3_K"),
-           ("Q4_K", "Q5_1", "Q8_0")]
+           ("Q4_K", "Q5_1", "Q8_0"), ("Q5_K",)]
 """Parts of a fused weight: q4_k; i8_k over super-blocks of 256; q6_k; i8_k over super-blocks
-of 256; i8_k over blocks of 32."""
+of 256; i8_k over blocks of 32; q5_k."""
 K_ROWS = [1, 2, 7, 16, 64, 300]
 
 
@@ -392,7 +392,7 @@ def test_k_formats_match_the_reference_at_every_row_count(isa, types, n, k) -> N
     """Every row count, including the many-row tiles with (K <= 1024) and without (K 2048: a
     strip past kStripMaxBytes) a strip of unpacked weights: the same bits for a row."""
     packed = _k_packed(types, n, k, bias=n % 2 == 0)
-    assert packed.fmt == {("Q4_K",): "q4_k", ("Q6_K",): "q6_k"}.get(types, "i8_k")
+    assert packed.fmt == {("Q4_K",): "q4_k", ("Q6_K",): "q6_k", ("Q5_K",): "q5_k"}.get(types, "i8_k")
     x = torch.randn(max(K_ROWS), k, generator=torch.Generator().manual_seed(2))
     y = qlc.quant_linear(x, packed, isa)
     ref = quant_linear_ref(x, packed)
@@ -500,7 +500,7 @@ def test_k_act16_refuses_bad_super_blocks(isa) -> None:
                 dataclasses.replace(packed, group=16)):
         with pytest.raises(ValueError, match="rejected"):
             qlc.quant_linear(x, bad, isa)
-    with pytest.raises(ValueError, match="i8_k and q6_k"):
+    with pytest.raises(ValueError, match="q6_k and q5_k"):
         with_int16_activations(pack_int8(*_data(64, 64, 1)[:2]))
 
 

@@ -392,7 +392,7 @@ def _k_layer(types: tuple[str, ...], n: int, k: int):
             torch.cat([dequantize_gguf(t, r) for t, r in zip(types, raw)]))
 
 
-@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q5_K", "Q5_K", "Q3_K"), "i8_k"),
+@pytest.mark.parametrize("types, fmt", [(("Q4_K",), "q4_k"), (("Q2_K", "Q3_K", "Q3_K"), "i8_k"), (("Q5_K",), "q5_k"),
                                         (("Q4_K", "Q4_K", "Q6_K"), "split"), (("Q6_K",), "q6_k")])
 def test_auto_serves_k_quant_layers_from_their_blocks(types, fmt) -> None:
     blocks, w = _k_layer(types, 64, 256)

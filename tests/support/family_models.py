@@ -128,6 +128,7 @@ def write_family(name: str, folder: Path, seed: int = 0) -> Path:
 
 GGUF_FAMILIES: dict[str, tuple[str, str]] = {
     "llama-gguf-Q4_K_M": ("llama", "Q4_K_M"),   # Q4_K, Q6_K (attn_v, ffn_down of layer 1; output)
+    "llama-gguf-Q5_K_M": ("llama", "Q5_K_M"),   # Q5_K, Q6_K as Q4_K_M's
     "llama-gguf-Q4_0": ("llama", "Q4_0"),       # Q4_0, Q6_K output
     "qwen2-gguf-Q8_0": ("qwen2", "Q8_0"),       # Q8_0 everywhere, F32 qkv biases
 }
