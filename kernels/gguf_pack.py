@@ -17,7 +17,8 @@ once. The legacy types fit it with sc = 1: Q8_0 ``d q``, Q5_0 ``d (q - 16)``, Q4
 | all Q4_K | q4_k | 4.625 (file 4.5) |
 | all Q5_K | q5_k | 5.625 (file 5.5) |
 | all Q6_K | q6_k | 6.5625 (the file's) |
-| all Q4_0 / Q4_1 | q4_1 (Q4_0: min = -8 d, exact in fp16) | 5.0 |
+| all Q4_0 | q4_0 (q4_1 without mins: the kernel forms -8 d) | 4.5 (the file's) |
+| Q4_1, or Q4_1 and Q4_0 | q4_1 (Q4_0: min = -8 d, exact in fp16) | 5.0 |
 | all Q8_0 / Q5_0 | q8_0 (Q5_0: q - 16) | 8.5 |
 | all F32 / F16 / BF16 | f32 | 32 |
 | Q2_K, Q3_K, or a mix of K-quants | i8_k, super-block 256 | 9.125 |
@@ -48,8 +49,8 @@ import torch
 from kernels.gguf_pack_cpu import Allocate
 from kernels.gguf_pack_cpu import build_problem as native_problem
 from kernels.gguf_pack_cpu import pack_blocks
-from kernels.quant_pack import PackedWeight, pack_f32, pack_k_blocks, pack_q4_1_blocks, \
-    pack_q6_k_blocks, pack_q8_0_blocks
+from kernels.quant_pack import PackedWeight, pack_f32, pack_k_blocks, pack_q4_0_blocks, \
+    pack_q4_1_blocks, pack_q6_k_blocks, pack_q8_0_blocks
 
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
                "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
@@ -80,6 +81,8 @@ def gguf_format(types: Sequence[str]) -> str | None:
         return "q5_k"
     if kinds == {"Q6_K"}:
         return "q6_k"
+    if kinds == {"Q4_0"}:
+        return "q4_0"
     if kinds <= {"Q4_0", "Q4_1"}:
         return "q4_1"
     if kinds <= {"Q8_0", "Q5_0"}:
@@ -171,6 +174,8 @@ def pack_gguf(parts: Sequence[tuple[str, torch.Tensor]],
                              b.m.to(torch.int8), b.d, b.dmin, bias, super_group=b.size)
     if fmt == "q8_0":  # sc = 1, no min
         return pack_q8_0_blocks(b.q.to(torch.int8), b.d, bias, group=32)
+    if fmt == "q4_0":  # the form's q - 8 back to the file's q
+        return pack_q4_0_blocks((b.q + 8).to(torch.uint8), b.d, bias, group=32)
     # q4_1: Q4_0's d (q - 8) as d q + (-8 d); Q4_1's d q - (-m) 1 as d q + m
     q4_0 = torch.cat([torch.full((x.q.shape[0], 1), t == "Q4_0") for t, x in zip(types, blocks)])
     q = b.q + 8 * q4_0                                                   # [N, K] in [0, 15]

@@ -26,7 +26,7 @@ SOURCE = Path(__file__).parent / "csrc" / "gguf_pack_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17")
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """The block types the kernel decodes, in its enum's order."""
-FORMATS = ("q4_k", "q6_k", "i8_k", "q8_0", "q4_1", "q5_k")
+FORMATS = ("q4_k", "q6_k", "i8_k", "q8_0", "q4_1", "q5_k", "q4_0")
 """The formats it writes, in its enum's order."""
 
 __all__ = ["FORMATS", "KernelBuildError", "LIBRARY", "build_problem", "pack_blocks"]
@@ -85,10 +85,11 @@ def pack_blocks(parts: Sequence[tuple[str, torch.Tensor]], fmt: str, k: int, sup
         raise ValueError(f"bias must be float [out] = [{n}], got {bias.dtype} {tuple(bias.shape)}")
     np_, p = -(-n // PAD) * PAD, -(-n // PAD)
     sg = {"q4_k": 256, "q5_k": 256, "q6_k": 256, "i8_k": super_group}.get(fmt, 0)
-    group = {"q4_k": 32, "q5_k": 32, "q6_k": 16, "i8_k": 16, "q8_0": 32, "q4_1": 32}[fmt]
+    group = {"q4_k": 32, "q5_k": 32, "q6_k": 16, "i8_k": 16, "q8_0": 32, "q4_1": 32,
+             "q4_0": 32}[fmt]
     u8, i8, f16 = torch.uint8, torch.int8, torch.float16
     specs = {  # name -> ([Np/64, columns, 64], dtype), the PackedWeight's tensors
-        "data": ((p, {"q4_k": k // 2, "q4_1": k // 2, "q6_k": 3 * k // 4,
+        "data": ((p, {"q4_k": k // 2, "q4_1": k // 2, "q4_0": k // 2, "q6_k": 3 * k // 4,
                       "q5_k": 5 * k // 8}.get(fmt, k), PAD),
                  i8 if fmt in ("i8_k", "q8_0") else u8),
         "scale": ((p, k // group, PAD), {"q4_k": u8, "q5_k": u8, "q6_k": i8, "i8_k": i8}.get(fmt, f16))}

@@ -43,10 +43,11 @@ VARIANTS: dict[str, CppKernel] = {
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
 FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6,
                 "q4_1x16": 7, "q8_0x16": 8, "q4_k": 9, "i8_k": 10, "q4_kx16": 11, "i8_kx16": 12,
-                "q6_k": 13, "q6_kx16": 14, "q5_k": 15, "q5_kx16": 16}
+                "q6_k": 13, "q6_kx16": 14, "q5_k": 15, "q5_kx16": 16,
+                "q4_0": 3, "q4_0x8": 5, "q4_0x16": 7}
 """``conveyor_qlinear_ex``'s ``fmt`` argument per ``PackedWeight.fmt``; q4_1 and q8_0 pass
 their fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``const
-float*``, q4_k, q5_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``),
+float*`` (q4_0 is q4_1's code with a null ``minv``: the kernel forms its min -8 d), q4_k, q5_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``),
 q6_k its sc bytes (and d as ``sup_scale``)."""
 
 __all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize",

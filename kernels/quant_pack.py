@@ -11,14 +11,16 @@ Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   [0, 15], g = k // group; round-to-nearest over the group's range, then (d, min) refined
   by least squares (``quantize_int4``);
 - ``q4_1``: int4's form with d and min in fp16, GGUF's Q4_1 block at group 32 (5.0 bits a
-  weight; Q4_0, ``d (q - 8)``, is this with min = -8 d, exact in fp16);
+  weight);
+- ``q4_0``: q4_1 without its mins (``minv`` None): GGUF's Q4_0 block, ``d (q - 8)``, whose
+  min -8 d the kernel forms itself, exactly (4.5 bits a weight, the file's);
 - ``q8_0``: ``W[n, k] = d[n, g] * q[n, k]``, q int8 in [-127, 127], d fp16 per group of
   ``group`` input channels: GGUF's Q8_0 block at group 32 (8.5 bits a weight).
-- ``q4_1x8``, ``q8_0x8``: q4_1's and q8_0's weights, with x quantized to int8 per row and
+- ``q4_1x8``, ``q4_0x8``, ``q8_0x8``: q4_1's, q4_0's and q8_0's weights, with x quantized to int8 per row and
   group (``quantize_activations``) and multiplied in integers (llama.cpp's AVX2 dot
   products over Q8 activation blocks): not the fp32 product of the weights, but within
   int8 rounding of it;
-- ``q4_1x16``, ``q8_0x16``: the same with x quantized to int16 per row and group (rounding
+- ``q4_1x16``, ``q4_0x16``, ``q8_0x16``: the same with x quantized to int16 per row and group (rounding
   of at most 2^-16 of the group's largest |x|) and multiplied with ``vpmaddwd``: twice
   fp32's multiply-adds an instruction, for compute-bound (many-row) calls.
 - ``q4_k``: GGUF's Q4_K blocks (ggml's ``block_q4_K``): per super-block of 256 input
@@ -63,13 +65,14 @@ FORMATS = ("f32", "int8", "int4", "q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16",
 """The formats packed from fp32 weights (and from GGUF blocks: q4_1, q8_0)."""
 K_FORMATS = ("q4_k", "i8_k", "q5_k")
 """The formats with super-block scales (``super_scale``, ``super_min``), from GGUF blocks only."""
-HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16")
+HALF_SCALE_FORMATS = ("q4_1", "q8_0", "q4_1x8", "q8_0x8", "q4_1x16", "q8_0x16", "q4_0",
+                      "q4_0x8", "q4_0x16")
 """Formats whose scale (and min) tensors are float16."""
-ACT8_FORMATS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0"}
+ACT8_FORMATS = {"q4_1x8": "q4_1", "q8_0x8": "q8_0", "q4_0x8": "q4_0"}
 """Formats that quantize the activations to int8 per row and weight group (as llama.cpp's
 Q8 activation blocks), over the weights of the format named: the same packed tensors
 (``with_int8_activations``). See ``quantize_activations``."""
-ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0"}
+ACT16_FORMATS = {"q4_1x16": "q4_1", "q8_0x16": "q8_0", "q4_0x16": "q4_0"}
 """The same with int16 activations (``with_int16_activations``; ``quantize_activations``
 with ``levels=32767``)."""
 K_ACT16_FORMATS = {"q4_kx16": "q4_k", "i8_kx16": "i8_k", "q6_kx16": "q6_k", "q5_kx16": "q5_k"}
@@ -299,6 +302,20 @@ def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                         _panels(m, _np(n)), _padded_bias(bias, _np(n)), group)
 
 
+def pack_q4_0_blocks(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     group: int = 32) -> PackedWeight:
+    """Pack a GGUF Q4_0 tensor's blocks as they are: ``W[n, k] = d[n, g] * (q[n, k] - 8)``,
+    the kernel forming the min -8 d itself (exact). q: [N, K] uint8 in [0, 15]; d:
+    [N, ceil(K / group)] float16; group even. Raises ValueError for other shapes or dtypes,
+    an odd group or q above 15."""
+    _check_blocks(q, d, group, bias, torch.uint8)
+    if group % 2 or int(q.max()) > 15:
+        raise ValueError(f"q4_0 needs an even group and values in [0, 15], got group {group}")
+    n, k = q.shape
+    return PackedWeight("q4_0", n, k, _panels(_nibbles(q), _np(n)), _panels(d, _np(n)), None,
+                        _padded_bias(bias, _np(n)), group)
+
+
 def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None, *,
                      group: int = 32) -> PackedWeight:
     """Pack int8 values with their fp16 scales as they are (a GGUF Q8_0 tensor's blocks):
@@ -364,8 +381,10 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     d = packed.scale.movedim(-1, 1).reshape(np_, -1)[:n, g_of_k].double()
     if packed.fmt == "q8_0":
         return (rows.double() * d).float()
-    assert packed.minv is not None
+    assert packed.minv is not None or packed.fmt == "q4_0"
     q = torch.stack([rows & 15, rows >> 4], dim=-1).reshape(n, -1)[:, :k].double()
+    if packed.fmt == "q4_0":  # min = -8 d
+        return (q * d - 8 * d).float()
     m = packed.minv.movedim(-1, 1).reshape(np_, -1)[:n, g_of_k].double()
     return (q * d + m).float()
 
@@ -525,7 +544,8 @@ def with_int16_activations(packed: PackedWeight) -> PackedWeight:
 def _with_activations(packed: PackedWeight, formats: dict[str, str], what: str) -> PackedWeight:
     fmt = {v: k for k, v in formats.items()}.get(packed.fmt)
     if fmt is None:
-        serves = "q4_1 and q8_0" if what == "int8" else "q4_1, q8_0, q4_k, i8_k, q6_k and q5_k"
+        serves = ("q4_1, q4_0 and q8_0" if what == "int8"
+                  else "q4_1, q4_0, q8_0, q4_k, i8_k, q6_k and q5_k")
         raise ValueError(f"{what} activations serve {serves} weights, not {packed.fmt}")
     if packed.group < 2 or packed.group % 2 or packed.in_features % packed.group:
         raise ValueError(f"{what} activations need K ({packed.in_features}) a multiple of an "
@@ -580,9 +600,12 @@ def _act_ref(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         y += x.double() @ unpack(dataclasses.replace(base, data=torch.zeros_like(base.data))
                                  ).double().t()             # q = 0: -(dmin m), exact
         base = dataclasses.replace(base, minv=torch.zeros_like(base.minv))  # (d sc) q: exact
-    elif base.minv is not None:  # W = d q + min: the min term over x itself
+    elif base.minv is not None or base.fmt == "q4_0":  # W = d q + min: the min over x itself
         g_of_k = torch.arange(k) // g
-        mins = base.minv.movedim(-1, 1).reshape(base.padded_out, -1)[:n, g_of_k].double()
+        mins = (-8 * base.scale.double() if base.minv is None else base.minv.double()
+                ).movedim(-1, 1).reshape(base.padded_out, -1)[:n, g_of_k]
+        if base.minv is None:  # q4_0: d q as q4_1's with zero mins
+            base = dataclasses.replace(base, fmt="q4_1", minv=base.scale)
         y += x.double() @ mins.t()
         base = dataclasses.replace(base, minv=torch.zeros_like(base.minv))  # d q: exact
     y += xq @ unpack(base).double().t()

@@ -28,7 +28,7 @@
 namespace {
 
 enum Type { Q4_0 = 0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K };
-enum Format { F_Q4_K = 0, F_Q6_K, F_I8_K, F_Q8_0, F_Q4_1, F_Q5_K };
+enum Format { F_Q4_K = 0, F_Q6_K, F_I8_K, F_Q8_0, F_Q4_1, F_Q5_K, F_Q4_0 };
 
 constexpr int kBlockWeights[] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256};
 constexpr int kBlockBytes[] = {18, 20, 22, 24, 34, 84, 110, 144, 176, 210};
@@ -262,6 +262,16 @@ bool emit(const Out& o, int type, int64_t p, int l0, int l1, int64_t blk, int si
       }
       return true;
     }
+    case F_Q4_0: {  // the file's nibbles (q - 8 + 8) and fp16 d per 32; no min
+      for (int j = 0; j < 16; ++j) {
+        uint8_t* c = column(o.data, p, o.k / 2, k0 / 2 + j);
+        for (int l = l0; l < l1; ++l)
+          c[l] = uint8_t((f[l].q[2 * j] + 8) | ((f[l].q[2 * j + 1] + 8) << 4));
+      }
+      uint16_t* d = column(reinterpret_cast<uint16_t*>(o.scale), p, o.k / 32, blk);
+      for (int l = l0; l < l1; ++l) d[l] = f[l].d;
+      return true;
+    }
     case F_Q8_0: {  // int8 q, fp16 d per 32
       for (int i = 0; i < 32; ++i) {
         uint8_t* c = column(o.data, p, o.k, k0 + i);
@@ -310,13 +320,13 @@ int conveyor_pack_gguf(const uint8_t* raw, int64_t rows, int64_t row_bytes, int 
                        int64_t row0, int fmt, int64_t k, int64_t super_group, uint8_t* data,
                        uint8_t* scale, uint8_t* minv, uint16_t* super_scale,
                        uint16_t* super_min) {
-  if (type < Q4_0 || type > Q6_K || fmt < F_Q4_K || fmt > F_Q5_K || rows < 1 || row0 < 0)
+  if (type < Q4_0 || type > Q6_K || fmt < F_Q4_K || fmt > F_Q4_0 || rows < 1 || row0 < 0)
     return -1;
   const int size = kBlockWeights[type];
   if (k % size || row_bytes != k / size * kBlockBytes[type]) return -1;
   if (fmt == F_I8_K && (super_group < 1 || size % super_group)) return -1;
   if ((fmt == F_Q4_K && type != Q4_K) || (fmt == F_Q6_K && type != Q6_K) ||
-      (fmt == F_Q5_K && type != Q5_K) ||
+      (fmt == F_Q5_K && type != Q5_K) || (fmt == F_Q4_0 && type != Q4_0) ||
       (fmt == F_Q8_0 && type != Q8_0 && type != Q5_0) ||
       (fmt == F_Q4_1 && type != Q4_0 && type != Q4_1))
     return -1;

@@ -42,7 +42,8 @@
 //          nibble | q(64b + c, 2j + 1) in the high nibble (0 when 2j + 1 == K);
 //          d, min [Np / 64, ceil(K / group), 64] float (group even)
 //   q4_1:  w as int4;  d, min [Np / 64, ceil(K / group), 64] fp16 (group even; 5.0 bits a
-//          weight at group 32, as GGUF's Q4_1 block; Q4_0 is this with min = -8 d)
+//          weight at group 32, as GGUF's Q4_1 block); q4_0: the same without min (a null
+//          minv), which the kernel forms as -8 d, exact (4.5 bits: GGUF's Q4_0 block)
 //   q8_0:  w as int8;  d [Np / 64, ceil(K / group), 64] fp16 (8.5 bits a weight at group 32,
 //          as GGUF's Q8_0 block)
 //   q4_k:  w as int4 (group 32);  sc, m [Np / 64, K / 32, 64] uint8 (6-bit);  d, dmin
@@ -122,6 +123,24 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
   hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
 inline V16 i8_to_f(__m128i q) { return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))}; }
+// q5_k's high bits of 16 channels for one octet of k (bit p: k = 8j + p), one per int32 lane.
+struct High5 {
+  __m512i v;
+};
+inline High5 load_high5(const uint8_t* p) {
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+// q5_k's values of k = 8j + 2i (lo) and 8j + 2i + 1 (hi) as floats: load_u4x2's nibbles with
+// bit 4 set where the octet's high bit 2i (2i + 1) is.
+inline void load_u5x2(const uint8_t* p, High5 h, int i, V16& lo, V16& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __mmask16 ml = _mm512_test_epi32_mask(h.v, _mm512_set1_epi32(1 << (2 * i)));
+  const __mmask16 mh = _mm512_test_epi32_mask(h.v, _mm512_set1_epi32(2 << (2 * i)));
+  const __m512i l = _mm512_and_si512(b, _mm512_set1_epi32(15)), u = _mm512_srli_epi32(b, 4);
+  lo.v = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(l, ml, l, sixteen));
+  hi.v = _mm512_cvtepi32_ps(_mm512_mask_or_epi32(u, mh, u, sixteen));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 // As above within 16 registers (a V16 is two of them). The grouped formats keep their group
@@ -177,6 +196,27 @@ inline void load_u4x2(const uint8_t* p, V16& lo, V16& hi) {
 inline V16 i8_to_f(__m128i q) {  // 16 int8 -> fp32 (exact)
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+}
+struct High5 {
+  __m256i lo, hi;
+};
+inline High5 load_high5(const uint8_t* p) {
+  return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void load_u5x2(const uint8_t* p, High5 h, int i, V16& lo, V16& hi) {
+  const __m256i mask = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+  const __m128i n = _mm_cvtsi32_si128(2 * i);
+  const auto half = [&](const uint8_t* q, __m256i hv, __m256& l, __m256& u) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i hs = _mm256_srl_epi32(hv, n);  // bit 0: high bit of 2i, bit 1: of 2i + 1
+    l = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(b, mask),
+                                           _mm256_slli_epi32(_mm256_and_si256(hs, one), 4)));
+    u = _mm256_cvtepi32_ps(_mm256_or_si256(
+        _mm256_srli_epi32(b, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hs, 1), one), 4)));
+  };
+  half(p, h.lo, lo.lo, hi.lo);
+  half(p + 8, h.hi, lo.hi, hi.hi);
 }
 #else
 #error "quant_linear_cpu.cpp needs AVX-512 (F, BW) or AVX2 + FMA + F16C"
@@ -264,7 +304,12 @@ inline void group_scales(const Problem& pb, int64_t p, int64_t g, V16& d, V16& m
     mn = mul(mul(load_h(pb.sup_min + soff), m), bcast(-1.f));
   } else {
     d = load_scale<Fmt>(pb.scale, off);
-    if constexpr (has_min(Fmt)) mn = load_scale<Fmt>(pb.minv, off);
+    if constexpr (has_min(Fmt)) {
+      if (Fmt == kQ41 && pb.minv == nullptr)  // q4_0: min = -8 d (exact)
+        mn = mul(d, bcast(-8.f));
+      else
+        mn = load_scale<Fmt>(pb.minv, off);
+    }
   }
 }
 
@@ -484,7 +529,6 @@ inline void tile_q5(const Problem& pb, const float* x, const float* xsum, int64_
                     V16 (&acc)[R][C]) {
   const uint8_t* w = static_cast<const uint8_t*>(pb.w);
   const int64_t lines = pb.K / 8 * kQ5Lines;
-  const __m128i m0f = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < pb.groups; ++g) {
     V16 s[R][C];
     for (int r = 0; r < R; ++r)
@@ -496,18 +540,11 @@ inline void tile_q5(const Problem& pb, const float* x, const float* xsum, int64_
         const uint8_t* ahead = w + at(p0, lines, j) + kGemvPrefetchI4Bytes;
         for (int i = 0; i < kQ5Lines; ++i) __builtin_prefetch(ahead + 64 * i);
       }
-      __m128i h[C];
-      for (int c = 0; c < C; ++c)
-        h[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at(p0 + c, lines, j) + 4 * 64));
+      High5 h[C];
+      for (int c = 0; c < C; ++c) h[c] = load_high5(w + at(p0 + c, lines, j) + 4 * 64);
       for (int i = 0; i < 4; ++i) {
         V16 lo[C], hi[C];
-        for (int c = 0; c < C; ++c) {
-          const __m128i n =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at(p0 + c, lines, j) + 64 * i));
-          lo[c] = i8_to_f(_mm_or_si128(_mm_and_si128(n, m0f), q5_high(h[c], 2 * i)));
-          hi[c] = i8_to_f(
-              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n, 4), m0f), q5_high(h[c], 2 * i + 1)));
-        }
+        for (int c = 0; c < C; ++c) load_u5x2(w + at(p0 + c, lines, j) + 64 * i, h[c], i, lo[c], hi[c]);
         for (int r = 0; r < R; ++r) {
           const V16 xa = bcast(x[r * pb.x_stride + k + 2 * i]);
           const V16 xb = bcast(x[r * pb.x_stride + k + 2 * i + 1]);
@@ -760,10 +797,15 @@ inline void group_step(const Problem& pb, int64_t strip, int64_t g, float dx, fl
     acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), _mm256_mul_ps(d, vdx), acc[c]);
   }
   if constexpr (Fmt == 3) {
-    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv);  // null: q4_0, min = -8 d
     const __m256 vxs = _mm256_set1_ps(xs);
     for (int c = 0; c < 4; ++c) {
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8 * c)));
+      const __m256 m =
+          mn != nullptr
+              ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + off + 8 * c)))
+              : _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(dw + 8 * c))),
+                              _mm256_set1_ps(-8.f));
       acc[c] = _mm256_fmadd_ps(vxs, m, acc[c]);
     }
   }
@@ -1146,9 +1188,14 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
         d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
         d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
         if constexpr (has_min(Fmt)) {
-          const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
-          n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-          n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+          if (pb.minv == nullptr) {  // q4_0: min = -8 d (exact)
+            n0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.f));
+            n1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.f));
+          } else {
+            const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+            n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+            n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+          }
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1281,11 +1328,14 @@ __attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb
                              _mm512_shuffle_i32x4(a23, b23, 0x88), _mm512_shuffle_i32x4(a23, b23, 0xDD)};
     const int64_t off = (b * pb.groups + g) * 64;
     const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv);  // null: q4_0, min = -8 d
     const __m512 vdx = _mm512_set1_ps(a.d[g]), vxs = _mm512_set1_ps(pb.xsum[g]);
     for (int c = 0; c < 4; ++c) {  // tile16's float steps, lane for lane
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + 16 * c)));
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + 16 * c)));
+      const __m512 m =
+          mn != nullptr
+              ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + off + 16 * c)))
+              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
       tot[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(d, vdx), tot[c]);
       tot[c] = _mm512_fmadd_ps(vxs, m, tot[c]);
     }
@@ -1333,11 +1383,19 @@ __attribute__((target("avx512vnni"))) inline __m512i pair_weights_vnni(const Pro
     q6_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 4 * kQ6Lines, k / 4 * kQ6Lines), 64,
             k, a, b);
     return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
-  } else if constexpr (Fmt == kQ5K) {
-    __m128i a, b;
-    q5_pair(static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 8 * kQ5Lines, k / 8 * kQ5Lines), 64,
-            k, a, b);
-    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+  } else if constexpr (Fmt == kQ5K) {  // q4's nibble pairs, bits 4 and 20 set from the high line
+    const uint8_t* l = static_cast<const uint8_t*>(pb.w) + at(p, pb.K / 8 * kQ5Lines, k / 8 * kQ5Lines);
+    const int i = static_cast<int>(k % 8) / 2;
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 64 * i)));
+    const __m512i h =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l + 4 * 64)));
+    const __m512i q = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)),
+                                       _mm512_set1_epi32(0x000F000F));
+    const __mmask16 ml = _mm512_test_epi32_mask(h, _mm512_set1_epi32(1 << (2 * i)));
+    const __mmask16 mh = _mm512_test_epi32_mask(h, _mm512_set1_epi32(2 << (2 * i)));
+    const __m512i ql = _mm512_mask_or_epi32(q, ml, q, _mm512_set1_epi32(0x10));
+    return _mm512_mask_or_epi32(ql, mh, ql, _mm512_set1_epi32(0x100000));
   } else {  // rows k and k + 1 of the block, 64 bytes apart: interleave, then widen
     const int8_t* w = static_cast<const int8_t*>(pb.w) + at(p, pb.K, k);
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -1749,8 +1807,9 @@ int conveyor_qdequant_ex(int fmt, const void* w, const float* scale, const float
         const int64_t g = k / group;
         const V16 d = fmt == kQ41 ? load_scale<kQ41>(scale, at(p, groups, g))
                                   : load(scale + at(p, groups, g));
-        const V16 m = fmt == kQ41 ? load_scale<kQ41>(minv, at(p, groups, g))
-                                  : load(minv + at(p, groups, g));
+        const V16 m = fmt != kQ41    ? load(minv + at(p, groups, g))
+                      : minv != nullptr ? load_scale<kQ41>(minv, at(p, groups, g))
+                                        : mul(d, bcast(-8.f));  // q4_0: min = -8 d
         load_u4x2(static_cast<const uint8_t*>(w) + at(p, pairs, k / 2), lo, hi);
         lo = fma(lo, d, m);
         hi = fma(hi, d, m);

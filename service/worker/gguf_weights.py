@@ -7,7 +7,8 @@ block type our kernels reproduce exactly becomes a packed weight for them
 
 | GGUF types (of a layer's parts) | served as | bits a weight |
 |---|---|---|
-| Q4_1; Q4_0 (w = d (q - 8): min = -8 d, exact in fp16) | q4_1 | 5.0 (Q4_0: 4.5 in the file) |
+| Q4_0 (w = d (q - 8)) | q4_0: q4_1 without mins, the kernel forms -8 d | 4.5 (the file's) |
+| Q4_1; Q4_1 with Q4_0 (min = -8 d, exact in fp16) | q4_1 | 5.0 |
 | Q8_0; Q5_0 (q - 16) | q8_0 | 8.5 (Q5_0: 5.5 in the file) |
 | Q4_K | q4_k: its super-blocks (6-bit scales and mins per 32, fp16 d, dmin per 256) | 4.625 (4.5) |
 | Q5_K | q5_k: its 4 + 1-bit values, Q4_K's scales | 5.625 (5.5) |
@@ -182,7 +183,7 @@ class RawBlocks:
     def decoded(self) -> BlockWeight:
         """The weight in NATIVE_TYPES' decoded form (q, d, m). Raises ValueError for
         another type or a mix of formats."""
-        if self.fmt not in ("q4_1", "q8_0") or not set(self.gguf_types) <= set(NATIVE_TYPES):
+        if self.fmt not in ("q4_0", "q4_1", "q8_0") or not set(self.gguf_types) <= set(NATIVE_TYPES):
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
         return _cat([_decode(t, r, self.in_features) for t, r in zip(self.gguf_types, self.raw)])
 

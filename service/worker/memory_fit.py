@@ -15,7 +15,7 @@ from pathlib import Path
 GiB = 1 << 30
 
 BITS_PER_WEIGHT = {"q4_1": 5.0, "q8_0": 8.5, "q4_k": 4.625, "i8_k": 10.0, "q6_k": 6.5625,
-                   "q5_k": 5.625,
+                   "q5_k": 5.625, "q4_0": 4.5,
                    "f32": 32.0}
 """Bits a weight each packed format takes (scales included), for the estimate; a layer with
 no format of ours is served as fp32 (32 bits)."""

@@ -64,7 +64,7 @@ def test_reordered_rows_stay_exact() -> None:
 
 
 def test_formats_of_mixes() -> None:
-    assert gguf_format(("Q4_0",)) == "q4_1"
+    assert gguf_format(("Q4_0",)) == "q4_0"
     assert gguf_format(("Q6_K", "Q6_K")) == "q6_k" and gguf_format(("Q6_K", "Q4_K")) == "i8_k"
     assert gguf_format(("Q5_1",)) == "i8_k"
     assert gguf_format(("IQ2_XS",)) is None
@@ -84,8 +84,10 @@ def test_bad_input_raises_value_error() -> None:
         pack_gguf([("Q4_K", raw.float())])
     big = random_raw("Q4_0", 2, 32)
     big[:, 0:2] = torch.from_numpy(np.full((2, 1), 30000, np.float16).view(np.uint8))
-    with pytest.raises(ValueError, match="beyond fp16"):
-        pack_gguf([("Q4_0", big)])
+    with pytest.raises(ValueError, match="beyond fp16"):  # as q4_1 beside Q4_1 rows: -8 d stored
+        pack_gguf([("Q4_0", big), ("Q4_1", random_raw("Q4_1", 2, 32))])
+    alone = pack_gguf([("Q4_0", big)])  # q4_0: the kernel forms -8 d in fp32, exact
+    assert alone.fmt == "q4_0" and torch.equal(unpack(alone), dequantize_gguf("Q4_0", big))
 
 
 def test_q4_k_q6_k_and_i8_k_sizes() -> None:
@@ -137,9 +139,10 @@ def test_native_packer_refuses_what_the_numpy_path_refuses() -> None:
         pytest.skip(f"the C++ packer does not build here: {build_problem()}")
     big = random_raw("Q4_0", 2, 64)
     big[1, 18:20] = torch.from_numpy(np.full(1, 30000, np.float16).view(np.uint8))
+    mix = [("Q4_0", big), ("Q4_1", random_raw("Q4_1", 2, 64))]  # q4_1: -8 d stored in fp16
     for native in (True, False):
         with pytest.raises(ValueError, match="beyond fp16"):
-            pack_gguf([("Q4_0", big)], native=native)
+            pack_gguf(mix, native=native)
     raw = random_raw("Q4_K", 4, 256)
     with pytest.raises(ValueError, match="cannot be packed as q6_k"):
         pack_blocks([("Q4_K", raw)], "q6_k", 256, 256, None)

@@ -11,7 +11,8 @@ import torch
 
 from kernels import quant_linear_cpu as qlc
 from kernels.quant_pack import (ACT8_FORMATS, ACT16_FORMATS, FORMATS, PackedWeight, pack_f32, pack_int4,
-                                pack_int8, pack_k_blocks, pack_q4_1, pack_q4_1_blocks,
+                                pack_int8, pack_k_blocks, pack_q4_0_blocks, pack_q4_1,
+                                pack_q4_1_blocks,
                                 pack_q6_k_blocks, pack_q8_0,
                                 pack_q8_0_blocks, quant_linear_ref, quantize_activations,
                                 quantize_int4, unpack, with_int8_activations,
@@ -35,9 +36,21 @@ def _pack(fmt: str, w: torch.Tensor, b: torch.Tensor | None, group: int = 32) ->
         return pack_f32(w, b)
     if fmt == "q4_1":
         return pack_q4_1(w, b, group=group)
+    if fmt == "q4_0":
+        return _pack_q4_0(w, b, group)
     if fmt == "q8_0":
         return pack_q8_0(w, b, group=group)
     return pack_int8(w, b) if fmt == "int8" else pack_int4(w, b, group=group)
+
+
+def _pack_q4_0(w: torch.Tensor, b: torch.Tensor | None, group: int) -> PackedWeight:
+    """fp32 -> q4_0 as llama.cpp rounds it: d = max |w| / 8 per group (fp16), q = round(w / d)
+    + 8 in [0, 15]."""
+    n, k = w.shape
+    d = (w.view(n, k // group, group).abs().amax(-1) / 8).half()
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    q = (torch.round(w / d.float().repeat_interleave(group, 1)) + 8).clamp(0, 15)
+    return pack_q4_0_blocks(q.to(torch.uint8), d, b, group=group)
 
 
 def _data(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -267,6 +280,32 @@ def test_act_formats_match_their_reference_and_stay_near_fp32(isa, fmt, group) -
     assert torch.equal(qlc.dequantize(packed, isa), unpack(packed))  # q4_1's / q8_0's weights
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", ["", "x8", "x16"])
+def test_q4_0_gives_the_bits_of_q4_1_with_its_min_stored(isa, act) -> None:
+    """q4_0 (no stored mins: the kernel forms -8 d) against q4_1 over the same blocks with
+    m = -8 d stored in fp16: the same bits in every path, row count and build, at 4.5 bits a
+    weight instead of 5.0."""
+    w, b, x = _data(150, 256, max(ROWS), seed=3)
+    q40 = _pack_q4_0(w, b, 32)
+    d16 = q40.scale.movedim(-1, 1).reshape(q40.padded_out, -1)[:150]
+    q = unpack(dataclasses.replace(q40, fmt="q4_1", minv=torch.zeros_like(q40.scale)))
+    q = torch.round(q / d16.float().repeat_interleave(32, 1)).to(torch.uint8)  # the nibbles
+    q41 = pack_q4_1_blocks(q, d16, -8 * d16, b, group=32)
+    assert torch.equal(unpack(q40), unpack(q41))
+    assert q40.nbytes < q41.nbytes and q40.minv is None
+    if act:
+        wrap = with_int8_activations if act == "x8" else with_int16_activations
+        q40, q41 = wrap(q40), wrap(q41)
+        assert q40.fmt == "q4_0" + act
+    for rows in ROWS + [2, 3, 5, 9, 47, 48, 49]:
+        got = qlc.quant_linear(x[:rows], q40, isa)
+        assert torch.equal(got, qlc.quant_linear(x[:rows], q41, isa)), rows
+    torch.testing.assert_close(qlc.quant_linear(x, q40, isa), quant_linear_ref(x, q40),
+                               rtol=1e-4, atol=1e-3)
+    assert torch.equal(qlc.dequantize(q40, isa), qlc.dequantize(q41, isa))
+
+
 def test_act8_rounding_of_x_is_as_documented() -> None:
     """d = max |x| / 127 per group, q = round-half-even(x / d) in [-127, 127], all-zero
     groups give d = 0 and q = 0."""
@@ -286,7 +325,7 @@ def test_act8_refuses_k_that_is_not_a_multiple_of_the_group(isa) -> None:
     base = pack_q4_1(w, b)
     with pytest.raises(ValueError, match="multiple"):
         with_int8_activations(base)
-    with pytest.raises(ValueError, match="q4_1 and q8_0"):
+    with pytest.raises(ValueError, match="q4_1, q4_0 and q8_0"):
         with_int8_activations(pack_int8(w, b))
     forced = dataclasses.replace(base, fmt="q4_1x8")  # past the Python check: the kernel's own
     with pytest.raises(ValueError, match="rejected"):

@@ -54,7 +54,7 @@ def test_blocks_are_gguf_py_dequantized_weights_bit_for_bit(tmp_path, qtype) -> 
     want = _write(tmp_path / "m.gguf", {n: qtype for n in ("blk.0.attn_output", "blk.0.ffn_down",
                                                          "token_embd")})
     got = gw.read_linear_weights(str(tmp_path / "m.gguf"), 1, HEADS, KV_HEADS)
-    fmt = "q8_0" if qtype == T.Q8_0 else "q4_1"
+    fmt = qtype.name.lower()
     for key, name in [((0, "o"), "blk.0.attn_output"), ((0, "down"), "blk.0.ffn_down"),
                       ((None, "lm_head"), "token_embd")]:
         blocks = got.native[key]
@@ -64,7 +64,8 @@ def test_blocks_are_gguf_py_dequantized_weights_bit_for_bit(tmp_path, qtype) -> 
         packed = blocks.pack()
         assert torch.equal(unpack(packed), ref)  # what the kernel multiplies by
         assert packed.scale.dtype == torch.float16
-    if qtype == T.Q4_0:  # min = -8 d, exact in fp16
+        assert (packed.minv is None) == (qtype != T.Q4_1)  # q4_0: the kernel forms -8 d
+    if qtype == T.Q4_0:  # the decoded form: q4_1's with min = -8 d, exact in fp16
         b = got.native[(0, "o")].decoded()
         assert torch.equal(b.m, -8 * b.d)
 

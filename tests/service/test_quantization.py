@@ -209,6 +209,7 @@ def test_clones_compute_the_same_on_other_memory() -> None:
                                   -torch.rand(64, 1).half()),
               "q8_0": BlockWeight(("Q8_0",), "q8_0", q.to(torch.int8) - 8,
                                   torch.rand(64, 1).half(), None),
+              "q4_0": RawBlocks(("Q4_0",), (random_raw("Q4_0", 64, 32).numpy(),), 32),
               "q4_k": RawBlocks(("Q4_K",), (random_raw("Q4_K", 64, 256).numpy(),), 256),
               "q5_k": RawBlocks(("Q5_K",), (random_raw("Q5_K", 64, 256).numpy(),), 256),
               "i8_k": RawBlocks(("Q2_K", "Q3_K"), (random_raw("Q2_K", 32, 256).numpy(),

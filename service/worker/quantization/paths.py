@@ -10,19 +10,19 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``fbgemm`` | int8 per channel | uint8 per tensor (7 bits without VNNI) | no |
 | ``int_mm`` | int8 per channel | int8 per token, ``torch._int_mm`` | yes, but not used so |
 | ``cpp-{f32,int8,int4}-{avx512,avx2}`` | ours, ``kernels.quant_linear_cpu`` | fp32 | yes |
-| ``cpp-{q4_1,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
+| ``cpp-{q4_1,q4_0,q8_0}-{avx512,avx2}`` | a GGUF file's own blocks (fp16 scales), ours | fp32 | yes |
 | ``cpp-{q4_k,q5_k,q6_k,i8_k}-{avx512,avx2}`` | a GGUF file's K-quant blocks (Q4_K; Q5_K; Q6_K; Q2_K, Q3_K and Q5_1 in 8 bits), ours | fp32 | yes |
 | ``cpp-split-{avx512,avx2}`` | a fused layer whose parts' blocks differ (Q4_K_M's qkv), each part in its own format | fp32 | yes |
-| ``cpp-{q4_1,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
-| ``cpp-{q4_1,q8_0,q4_k,q5_k,i8_k,q6_k,split}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
-| ``{int8,int4,q4_1,q8_0,q4_k,q5_k,i8_k,q6_k,split}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``cpp-{q4_1,q4_0,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
+| ``cpp-{q4_1,q4_0,q8_0,q4_k,q5_k,i8_k,q6_k,split}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
+| ``{int8,int4,q4_1,q4_0,q8_0,q4_k,q5_k,i8_k,q6_k,split}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
 here), ``auto-a8`` (auto's candidates plus the ``x8`` paths: the checkpoint's own weights
 times int8 activations, llama.cpp's CPU numerics; faster, not exact), and ``auto`` (the
 default): the checkpoint's own weights, never re-quantized, never int8 activations: a
-GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_1 / q8_0 paths, one in Q4_K the q4_k
+GGUF layer in Q4_0 / Q4_1 / Q8_0 is offered the q4_0 / q4_1 / q8_0 paths, one in Q4_K the q4_k
 paths, one in Q5_K the q5_k paths, one all in Q6_K the q6_k paths, one in other K-quants the
 i8_k paths, one whose parts
 are in different formats (Q4_K_M's qkv with a Q6_K attn_v) the split paths (each part in its
@@ -229,7 +229,8 @@ class LayerWeights:
 
     @property
     def native_fmt(self) -> str | None:
-        """"q4_1", "q8_0", "q4_k", "i8_k", "q6_k", "q5_k", "split" or None (no native blocks)."""
+        """"q4_1", "q4_0", "q8_0", "q4_k", "i8_k", "q6_k", "q5_k", "split" or None (no native
+        blocks)."""
         return None if self.native is None else self.native.fmt
 
     @functools.cached_property
@@ -319,10 +320,10 @@ def _dequant_problem() -> str | None:
 _PACKED = {"f32": "packed_f32", "int8": "packed_int8", "int4": "packed_int4",
            "q4_1": "packed_native", "q8_0": "packed_native", "q4_k": "packed_native",
            "i8_k": "packed_native", "q6_k": "packed_native", "q5_k": "packed_native",
-           "split": "packed_native"}
-_NATIVE = ("q4_1", "q8_0", "q4_k", "i8_k", "q6_k", "q5_k", "split")
+           "q4_0": "packed_native", "split": "packed_native"}
+_NATIVE = ("q4_1", "q4_0", "q8_0", "q4_k", "i8_k", "q6_k", "q5_k", "split")
 """Formats of a checkpoint's own blocks (``native.fmt``) that have paths."""
-_ACT_NATIVE = ("q4_1", "q8_0")
+_ACT_NATIVE = ("q4_1", "q4_0", "q8_0")
 """Those with int8 activation variants (x8)."""
 _ACT16_NATIVE = _NATIVE
 """Those with int16 activation variants (x16): all."""
@@ -380,6 +381,8 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     _dequant("int4"),
     *[_cpp("q4_1", isa) for isa in qlc.VARIANTS],
     _dequant("q4_1"),
+    *[_cpp("q4_0", isa) for isa in qlc.VARIANTS],
+    _dequant("q4_0"),
     *[_cpp("q8_0", isa) for isa in qlc.VARIANTS],
     _dequant("q8_0"),
     *[_cpp("q4_k", isa) for isa in qlc.VARIANTS],
