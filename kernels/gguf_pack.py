@@ -95,9 +95,8 @@ def split_runs(types: Sequence[str]) -> list[tuple[str, list[int]]] | None:
     (``kernels.packed_parts``): [(format, the parts' indices)] for each run of consecutive
     parts whose types have the same format of their own (``gguf_format`` of each), or None
     where that is one format for all, or some part has no format of ours or is a float
-    type. A split never
-    reads more bytes than one ``i8_k`` over the mix: each run's own format takes at most
-    i8_k's bits. E.g. ("Q4_K", "Q4_K", "Q6_K") (Q4_K_M's qkv) -> [("q4_k", [0, 1]),
+    type. A split never reads more bytes than one ``i8_k`` over the mix: each run's own
+    format takes at most i8_k's bits. E.g. ("Q4_K", "Q4_K", "Q6_K") (Q4_K_M's qkv) -> [("q4_k", [0, 1]),
     ("q6_k", [2])]: 4.625 and 6.5625 bits a weight instead of 9.125; Q3_K_M's ("Q3_K", "Q3_K",
     "Q5_K") -> [("i8_k", [0, 1]), ("q5_k", [2])]."""
     runs: list[tuple[str, list[int]]] = []

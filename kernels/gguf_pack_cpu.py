@@ -92,9 +92,11 @@ def pack_blocks(parts: Sequence[tuple[str, torch.Tensor]], fmt: str, k: int, sup
         "data": ((p, {"q4_k": k // 2, "q4_1": k // 2, "q4_0": k // 2, "q6_k": 3 * k // 4,
                       "q5_k": 5 * k // 8}.get(fmt, k), PAD),
                  i8 if fmt in ("i8_k", "q8_0") else u8),
-        "scale": ((p, k // group, PAD), {"q4_k": u8, "q5_k": u8, "q6_k": i8, "i8_k": i8}.get(fmt, f16))}
+        "scale": ((p, k // group, PAD),
+                  {"q4_k": u8, "q5_k": u8, "q6_k": i8, "i8_k": i8}.get(fmt, f16))}
     if fmt in ("q4_k", "q5_k", "i8_k", "q4_1"):
-        specs["minv"] = ((p, k // group, PAD), {"q4_k": u8, "q5_k": u8, "i8_k": i8}.get(fmt, f16))
+        specs["minv"] = ((p, k // group, PAD),
+                         {"q4_k": u8, "q5_k": u8, "i8_k": i8}.get(fmt, f16))
     if sg:
         specs["super_scale"] = ((p, k // sg, PAD), f16)
     if fmt in ("q4_k", "q5_k", "i8_k"):

@@ -4,8 +4,8 @@ A GGUF file may give the parts of one of our fused layers different block types:
 quantizes ``attn_v`` of a third of the layers (and the first and last eighth) as Q6_K and
 ``attn_q`` / ``attn_k`` as Q4_K (llama.cpp's ``use_more_bits``). One packed format that
 reproduces both is ``i8_k`` at 9.125 bits a weight, twice Q4_K's 4.5: at Llama-3.1-8B's
-shape that is 0.3 GB more read by every decode step (``docs/perf/HISTORY.md``,
-2026-12-06). ``PackedParts`` keeps each run of rows in the format of its own blocks
+shape that is 0.2 GB more read by every decode step (4,654 against 4,444 MB split;
+``docs/perf/HISTORY.md``, 2026-12-06, late night). ``PackedParts`` keeps each run of rows in the format of its own blocks
 (``kernels.gguf_pack.split_runs``): the kernel (``kernels.quant_linear_cpu.quant_linear``)
 and the fused forward (``kernels.decode_forward_cpu``) call it once a part, each part
 writing its columns of the one output.

@@ -16,12 +16,12 @@ Fourteen formats, each ``y = x @ W^T (+ b)`` with x and y fp32:
   min -8 d the kernel forms itself, exactly (4.5 bits a weight, the file's);
 - ``q8_0``: ``W[n, k] = d[n, g] * q[n, k]``, q int8 in [-127, 127], d fp16 per group of
   ``group`` input channels: GGUF's Q8_0 block at group 32 (8.5 bits a weight).
-- ``q4_1x8``, ``q4_0x8``, ``q8_0x8``: q4_1's, q4_0's and q8_0's weights, with x quantized to int8 per row and
-  group (``quantize_activations``) and multiplied in integers (llama.cpp's AVX2 dot
-  products over Q8 activation blocks): not the fp32 product of the weights, but within
-  int8 rounding of it;
-- ``q4_1x16``, ``q4_0x16``, ``q8_0x16``: the same with x quantized to int16 per row and group (rounding
-  of at most 2^-16 of the group's largest |x|) and multiplied with ``vpmaddwd``: twice
+- ``q4_1x8``, ``q4_0x8``, ``q8_0x8``: q4_1's, q4_0's and q8_0's weights, with x quantized to
+  int8 per row and group (``quantize_activations``) and multiplied in integers (llama.cpp's
+  AVX2 dot products over Q8 activation blocks): not the fp32 product of the weights, but
+  within int8 rounding of it;
+- ``q4_1x16``, ``q4_0x16``, ``q8_0x16``: the same with x quantized to int16 per row and group
+  (rounding of at most 2^-16 of the group's largest |x|) and multiplied with ``vpmaddwd``: twice
   fp32's multiply-adds an instruction, for compute-bound (many-row) calls.
 - ``q4_k``: GGUF's Q4_K blocks (ggml's ``block_q4_K``): per super-block of 256 input
   channels fp16 d and dmin, per group of 32 a 6-bit scale sc and min m, 4-bit q:

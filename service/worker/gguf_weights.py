@@ -133,8 +133,8 @@ def _cat(parts: list[BlockWeight]) -> BlockWeight:
 
 def served_format(gguf_types: Sequence[str]) -> str | None:
     """Our packed format for a weight whose parts have these GGUF types
-    (``kernels.gguf_pack.gguf_format``: q4_1, q8_0, q4_k, i8_k, q6_k; "split" where the parts'
-    own formats differ, ``split_runs``), or None: served from its dequantized fp32 weight (a
+    (``kernels.gguf_pack.gguf_format``: q4_0, q4_1, q8_0, q4_k, q5_k, q6_k, i8_k; "split"
+    where the parts' own formats differ, ``split_runs``), or None: served from its dequantized fp32 weight (a
     type no kernel of ours reproduces; float types, which fp32 holds exactly)."""
     if split_runs(gguf_types) is not None:
         return SPLIT
@@ -183,7 +183,8 @@ class RawBlocks:
     def decoded(self) -> BlockWeight:
         """The weight in NATIVE_TYPES' decoded form (q, d, m). Raises ValueError for
         another type or a mix of formats."""
-        if self.fmt not in ("q4_0", "q4_1", "q8_0") or not set(self.gguf_types) <= set(NATIVE_TYPES):
+        if self.fmt not in ("q4_0", "q4_1", "q8_0") or \
+                not set(self.gguf_types) <= set(NATIVE_TYPES):
             raise ValueError(f"GGUF types {self.gguf_types} have no packed format of ours")
         return _cat([_decode(t, r, self.in_features) for t, r in zip(self.gguf_types, self.raw)])
 
