@@ -167,6 +167,21 @@ struct Out {
   uint16_t* super_min;
 };
 
+// q4_k's and q5_k's scales of block `blk` for lanes l0 .. l1 of panel p: sc, m per 32 (the
+// form's per-16 values come in equal pairs), d, dmin per 256.
+void emit_k4_scales(const Out& o, int64_t p, int l0, int l1, int64_t blk, int size,
+                    const Form* f) {
+  const int64_t k0 = blk * size;
+  for (int g = 0; g < size / 32; ++g) {
+    uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
+    uint8_t* mn = column(o.minv, p, o.k / 32, k0 / 32 + g);
+    for (int l = l0; l < l1; ++l) { sc[l] = uint8_t(f[l].sc[2 * g]); mn[l] = uint8_t(f[l].m[2 * g]); }
+  }
+  uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
+  uint16_t* dm = column(o.super_min, p, o.k / 256, blk);
+  for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
+}
+
 // Write block `blk` (weights blk * size .. + size) of lanes l0 .. l1 of panel p from their
 // forms f[lane]: column by column, each column's lanes contiguous (64 bytes of a q4_k
 // column are one cache line). False where a value is not servable (Q4_0's -8 d beyond fp16).
@@ -179,18 +194,11 @@ bool emit(const Out& o, int type, int64_t p, int l0, int l1, int64_t blk, int si
         uint8_t* c = column(o.data, p, o.k / 2, k0 / 2 + j);
         for (int l = l0; l < l1; ++l) c[l] = uint8_t(f[l].q[2 * j] | (f[l].q[2 * j + 1] << 4));
       }
-      for (int g = 0; g < size / 32; ++g) {
-        uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
-        uint8_t* mn = column(o.minv, p, o.k / 32, k0 / 32 + g);
-        for (int l = l0; l < l1; ++l) { sc[l] = uint8_t(f[l].sc[2 * g]); mn[l] = uint8_t(f[l].m[2 * g]); }
-      }
-      uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
-      uint16_t* dm = column(o.super_min, p, o.k / 256, blk);
-      for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
+      emit_k4_scales(o, p, l0, l1, blk, size, f);
       return true;
     }
     case F_Q5_K: {  // per 8 weights: nibbles of (k, k + 1) .. (k + 6, k + 7), the 8 high bits;
-                    // sc, m per 32; d, dmin per 256 (as q4_k)
+                    // q4_k's scales
       const int64_t cols = 5 * o.k / 8;
       for (int j = 0; j < size / 8; ++j) {
         const int64_t c = 5 * (k0 / 8 + j);
@@ -208,14 +216,7 @@ bool emit(const Out& o, int type, int64_t p, int l0, int l1, int64_t blk, int si
           h[l] = uint8_t(bits);
         }
       }
-      for (int g = 0; g < size / 32; ++g) {
-        uint8_t* sc = column(o.scale, p, o.k / 32, k0 / 32 + g);
-        uint8_t* mn = column(o.minv, p, o.k / 32, k0 / 32 + g);
-        for (int l = l0; l < l1; ++l) { sc[l] = uint8_t(f[l].sc[2 * g]); mn[l] = uint8_t(f[l].m[2 * g]); }
-      }
-      uint16_t* d = column(o.super_scale, p, o.k / 256, blk);
-      uint16_t* dm = column(o.super_min, p, o.k / 256, blk);
-      for (int l = l0; l < l1; ++l) { d[l] = f[l].d; dm[l] = f[l].dmin; }
+      emit_k4_scales(o, p, l0, l1, blk, size, f);
       return true;
     }
     case F_Q6_K: {  // per 4 weights: nibbles of k, k + 1, of k + 2, k + 3, the 4 high fields
