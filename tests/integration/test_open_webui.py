@@ -167,7 +167,11 @@ def test_a_plain_question_streams_an_answer(page, stack):
                       if e.get("choices"))
     pieces = [e for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
     assert len(pieces) > 3, events  # streamed, token by token
-    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # the stream ends with a finish reason. An answer, not a call: "stop", or "length" when
+    # the 135M model at its model card's temperature 0.2 falls into a loop and runs to the
+    # context's end (vLLM's rule for an unset max_tokens): replaying this request 30 times
+    # (2026-12-06) gave 29 stops and one 2,089-token loop, which failed a CI run
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length"), events[-3:]
     # the page showed the answer growing, then the whole of it
     assert len(seen) >= 2, seen
     assert _words(content)[-6:] == _words(seen[-1])[-6:], (seen[-1], content)
