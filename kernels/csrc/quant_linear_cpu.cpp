@@ -1286,13 +1286,32 @@ inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
   }
 }
 
+// q5_k (the same nibble lines, a fifth line of high bits per octet: kQ5Lines) goes the same
+// way with each transposed byte's fifth bit added before the products, so that its one-row
+// calls are no longer bound by their instruction rate: the octet's high line is spread to the
+// transposed order with one vpshufb per vector (each int32 lane gets its channel's high
+// byte 4 times; lane L of u[i] holds channels 16 L + 4 i .. + 3, all within the 128-bit
+// lane that holds their high bytes), and byte j of an int32 lane takes 16 where bit 2 j
+// (even k) or 2 j + 1 (odd k) is set: two vptestmb and two masked vpaddb a vector. The sums
+// and float steps are tile_vnni<kQ5K, 1, 4>'s (group_scales), so its bits.
+
 // Block b (channels 64 b .. 64 b + 63) of one row: every group's integer sums, the float
 // steps, the bias. Needs K a multiple of 8 and the group a multiple of 8.
-__attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb, const Act16& a,
-                                                                const int32_t* words, int64_t b) {
-  const int64_t pairs = pb.K / 2;
-  const uint8_t* wb = static_cast<const uint8_t*>(pb.w) + b * pairs * 64;
+template <int Fmt>
+__attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, const Act16& a,
+                                                           const int32_t* words, int64_t b) {
+  static_assert(Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K, "q4_1 (q4_0), q4_k, q5_k lines only");
+  constexpr int64_t lines = Fmt == kQ5K ? kQ5Lines : 4;  // 64-byte lines per octet of k
+  const uint8_t* wb = static_cast<const uint8_t*>(pb.w) + b * (pb.K / 8) * lines * 64;
   const __m512i mask = _mm512_set1_epi8(15);
+  __m512i spread[4];  // vpshufb indices: int32 lane e of u[i] <- byte 4 i + e, 4 times
+  for (int i = 0; i < 4; ++i)
+    spread[i] = _mm512_broadcast_i32x4(_mm_setr_epi32(0x01010101 * (4 * i), 0x01010101 * (4 * i + 1),
+                                                      0x01010101 * (4 * i + 2),
+                                                      0x01010101 * (4 * i + 3)));
+  const __m512i even_bits = _mm512_set1_epi32(0x40100401);  // byte j: bit 2 j
+  const __m512i odd_bits = _mm512_set1_epi32(static_cast<int>(0x80200802u));  // bit 2 j + 1
+  const __m512i sixteen = _mm512_set1_epi8(16);
   __m512 tot[4];
   for (int c = 0; c < 4; ++c) tot[c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < pb.groups; ++g) {
@@ -1300,8 +1319,8 @@ __attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb
     for (int i = 0; i < 4; ++i) sh[i] = sl[i] = _mm512_setzero_si512();
     const int64_t t1 = (g + 1) * pb.group / 8;
     for (int64_t t = g * pb.group / 8; t < t1; ++t) {
-      const uint8_t* p = wb + t * 256;  // lines 4t .. 4t + 3
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(p + kGemvPrefetchBytes + 64 * i);
+      const uint8_t* p = wb + t * lines * 64;  // the octet's lines
+      for (int i = 0; i < lines; ++i) __builtin_prefetch(p + kGemvPrefetchBytes + 64 * i);
       const __m512i l0 = _mm512_loadu_si512(p), l1 = _mm512_loadu_si512(p + 64);
       const __m512i l2 = _mm512_loadu_si512(p + 128), l3 = _mm512_loadu_si512(p + 192);
       const __m512i t01 = _mm512_unpacklo_epi8(l0, l1), t01h = _mm512_unpackhi_epi8(l0, l1);
@@ -1311,8 +1330,13 @@ __attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb
       const __m512i he = _mm512_set1_epi32(words[4 * t]), ho = _mm512_set1_epi32(words[4 * t + 1]);
       const __m512i le = _mm512_set1_epi32(words[4 * t + 2]), lo = _mm512_set1_epi32(words[4 * t + 3]);
       for (int i = 0; i < 4; ++i) {
-        const __m512i qe = _mm512_and_si512(u[i], mask);
-        const __m512i qo = _mm512_and_si512(_mm512_srli_epi16(u[i], 4), mask);
+        __m512i qe = _mm512_and_si512(u[i], mask);
+        __m512i qo = _mm512_and_si512(_mm512_srli_epi16(u[i], 4), mask);
+        if constexpr (Fmt == kQ5K) {
+          const __m512i h = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 256), spread[i]);
+          qe = _mm512_mask_add_epi8(qe, _mm512_test_epi8_mask(h, even_bits), qe, sixteen);
+          qo = _mm512_mask_add_epi8(qo, _mm512_test_epi8_mask(h, odd_bits), qo, sixteen);
+        }
         sh[i] = _mm512_dpbusd_epi32(sh[i], qe, he);
         sh[i] = _mm512_dpbusd_epi32(sh[i], qo, ho);
         sl[i] = _mm512_dpbusd_epi32(sl[i], le, qe);
@@ -1326,18 +1350,12 @@ __attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb
     const __m512i a23 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE), b23 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
     const __m512i isum[4] = {_mm512_shuffle_i32x4(a01, b01, 0x88), _mm512_shuffle_i32x4(a01, b01, 0xDD),
                              _mm512_shuffle_i32x4(a23, b23, 0x88), _mm512_shuffle_i32x4(a23, b23, 0xDD)};
-    const int64_t off = (b * pb.groups + g) * 64;
-    const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-    const uint16_t* mn = static_cast<const uint16_t*>(pb.minv);  // null: q4_0, min = -8 d
-    const __m512 vdx = _mm512_set1_ps(a.d[g]), vxs = _mm512_set1_ps(pb.xsum[g]);
+    const __m512 vdx = _mm512_set1_ps(a.dx(pb, 0, g)), vxs = _mm512_set1_ps(pb.xsum[g]);
     for (int c = 0; c < 4; ++c) {  // tile16's float steps, lane for lane
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + 16 * c)));
-      const __m512 m =
-          mn != nullptr
-              ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + off + 16 * c)))
-              : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-      tot[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(d, vdx), tot[c]);
-      tot[c] = _mm512_fmadd_ps(vxs, m, tot[c]);
+      V16 d, mn;
+      group_scales<Fmt>(pb, 4 * b + c, g, d, mn);  // q4_0: mn = -8 d
+      tot[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(d.v, vdx), tot[c]);
+      tot[c] = _mm512_fmadd_ps(vxs, mn.v, tot[c]);
     }
   }
   for (int c = 0; c < 4; ++c) {
@@ -1353,9 +1371,12 @@ __attribute__((target("avx512vnni"))) void gemv_q41_vnni_block(const Problem& pb
   }
 }
 
-// Whether a call takes gemv_q41_vnni_block: one q4_1 row, groups of a multiple of 8, VNNI.
-inline bool use_gemv_q41_vnni(const Problem& pb) {
-  return pb.M == 1 && pb.group % 8 == 0 && cpu_has_avx512_vnni();
+// Whether a call takes gemv_vnni_block: one q4_1 / q4_0 / q5_k row, groups of a multiple of
+// 8, VNNI.
+template <int Fmt>
+inline bool use_gemv_vnni(const Problem& pb) {
+  return (Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K) && pb.M == 1 && pb.group % 8 == 0 &&
+         cpu_has_avx512_vnni();
 }
 
 // ---- q4_1 / q8_0 x int16 activations, any row count, with AVX512-VNNI (AVX-512 build) -----
@@ -1622,13 +1643,15 @@ void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
   quantize_rows16(pb, has_supers(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (Fmt == kQ41 && use_gemv_q41_vnni(pb)) {
-    std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
-    vnni_words(a.q.data(), pb.K, words.data());
-    const int64_t blocks = pb.Np / 64;
+  if constexpr (Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K) {
+    if (use_gemv_vnni<Fmt>(pb)) {
+      std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
+      vnni_words(a.q.data(), pb.K, words.data());
+      const int64_t blocks = pb.Np / 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) gemv_q41_vnni_block(pb, a, words.data(), b);
-    return;
+      for (int64_t b = 0; b < blocks; ++b) gemv_vnni_block<Fmt>(pb, a, words.data(), b);
+      return;
+    }
   }
   if (cpu_has_avx512_vnni()) {  // every other act16 call: the VNNI tiles
     run_vnni<Fmt>(pb, a, num_threads);

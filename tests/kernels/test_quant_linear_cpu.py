@@ -381,7 +381,7 @@ def test_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, fm
 @pytest.mark.parametrize("group", [8, 32, 64, 256, 6])
 @pytest.mark.parametrize("n", [1, 15, 64, 130, 960])
 def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) -> None:
-    """A one-row q4_1x16 call (on an AVX-512 CPU with VNNI: gemv_q41_vnni_block, nibbles and
+    """A one-row q4_1x16 call (on an AVX-512 CPU with VNNI: gemv_vnni_block, nibbles and
     int16 activations split into bytes for vpdpbusd; a group that is not a multiple of 8, or
     another CPU: tile16) gives each row the bits it gets in a call of 5 or 48 rows (other
     kernels: half blocks, panels) and in the other build; a non-finite row stays NaN."""
@@ -513,6 +513,34 @@ def test_k_act16_formats_match_their_reference_and_stay_near_fp32(isa, types) ->
     finally:
         torch.set_num_threads(before)
     assert torch.equal(qlc.dequantize(packed, isa), unpack(base))  # the K-quant's weights
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q5_K",)])
+@pytest.mark.parametrize("n", [1, 15, 64, 130, 960])
+def test_k_act16_one_row_gives_the_bits_of_every_other_row_count(isa, types, n) -> None:
+    """A one-row q4_k / q5_k x16 call (on an AVX-512 CPU with VNNI: gemv_vnni_block, q5_k's
+    high bits spread to the transposed bytes; elsewhere the tiles) gives a row the bits it
+    gets in calls of 5 and 48 rows and in the other build, with and without a bias, at every
+    edge of a 64-channel block; also with every q at its top (15 / 31: every high bit set)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(48, 512, generator=g)
+    x[1, 2] = 40.0  # an outlier in one group
+    for bias in (True, False):
+        base = _k_packed(types, n, 512, bias=bias)
+        for top in (False, True):
+            if top:  # every weight's integer at its top: q5_k's high line all ones
+                base = dataclasses.replace(base, data=torch.full_like(base.data, 255))
+            packed = with_int16_activations(base)
+            many = qlc.quant_linear(x, packed, isa)
+            torch.testing.assert_close(many, quant_linear_ref(x, packed), rtol=1e-5,
+                                       atol=1e-5 * float(many.abs().max()))
+            for r in (0, 1, 47):
+                one = qlc.quant_linear(x[r:r + 1], packed, isa)
+                assert torch.equal(one, many[r:r + 1])
+                assert torch.equal(one, qlc.quant_linear(x[r:r + 5], packed, isa)[:1])
+                for other in qlc.available_isas():
+                    assert torch.equal(qlc.quant_linear(x[r:r + 1], packed, other), one)
 
 
 @pytest.mark.parametrize("isa", ISAS)
