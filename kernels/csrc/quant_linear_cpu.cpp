@@ -1286,14 +1286,15 @@ inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
   }
 }
 
-// q5_k (the same nibble lines, a fifth line of high bits per octet: kQ5Lines) goes the same
-// way with each transposed byte's fifth bit added before the products, so that its one-row
-// calls are no longer bound by their instruction rate: the octet's high line is spread to the
+// q4_k takes it as it is (the same nibble lines; its float steps from group_scales). q5_k
+// (the same nibble lines, a fifth line of high bits per octet: kQ5Lines) goes the same way
+// with each transposed byte's fifth bit added before the products, so that its one-row calls
+// are no longer bound by their instruction rate: the octet's high line is spread to the
 // transposed order with one vpshufb per vector (each int32 lane gets its channel's high
 // byte 4 times; lane L of u[i] holds channels 16 L + 4 i .. + 3, all within the 128-bit
 // lane that holds their high bytes), and byte j of an int32 lane takes 16 where bit 2 j
 // (even k) or 2 j + 1 (odd k) is set: two vptestmb and two masked vpaddb a vector. The sums
-// and float steps are tile_vnni<kQ5K, 1, 4>'s (group_scales), so its bits.
+// and float steps are tile_vnni<Fmt, 1, 4>'s (group_scales), so its bits.
 
 // Block b (channels 64 b .. 64 b + 63) of one row: every group's integer sums, the float
 // steps, the bias. Needs K a multiple of 8 and the group a multiple of 8.
@@ -1371,8 +1372,8 @@ __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, co
   }
 }
 
-// Whether a call takes gemv_vnni_block: one q4_1 / q4_0 / q5_k row, groups of a multiple of
-// 8, VNNI.
+// Whether a call takes gemv_vnni_block: one q4_1 / q4_0 / q4_k / q5_k row, groups of a
+// multiple of 8, VNNI.
 template <int Fmt>
 inline bool use_gemv_vnni(const Problem& pb) {
   return (Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K) && pb.M == 1 && pb.group % 8 == 0 &&
@@ -1512,12 +1513,15 @@ constexpr int64_t kVnniStripRows = 12;
 
 constexpr bool vnni_strip(int fmt) { return fmt == kQ5K || fmt == kQ6K; }
 
-// A work item of up to this many rows is one tile (8 x 2 panels: 16 sums), so that its
-// weights are unpacked once: as 6 + 2 rows (a decode step of 8 sequences) they were unpacked
-// twice. Measured on Zen 4 (2 threads, [8192 x 2048] in cache, 8 rows, against 6 + 2 in one
-// process): q5_k 1.72-1.76 -> 1.21-1.23 ms, q6_k 1.63-1.82 -> 1.33, q4_k 1.05 -> 0.98; q4_1
-// and q8_0 within the noise.
+// A many-row work item (2 panels) of a K-quant of up to this many rows is one tile (8 x 2: 16
+// sums), so that its weights are unpacked once: as 6 + 2 rows (a decode step of 8 sequences)
+// they were unpacked twice. Measured on Zen 4 (2 threads, [8192 x 2048] in cache, 8 rows,
+// against 6 + 2, the builds taking turns): q5_k 1.72-1.81 -> 1.21-1.48 ms, q6_k 1.63-1.82 ->
+// 1.32-1.41, q4_k 1.03-1.16 -> 0.97-1.01. q8_0 was 1.2x slower that way (0.85-0.87 -> 1.04-1.10
+// ms) and q4_1 1.05x: they keep 6 + 2.
 constexpr int kVnniOneTileRows = 8;
+
+constexpr bool vnni_one_tile(int fmt) { return fmt == kQ4K || fmt == kQ5K || fmt == kQ6K; }
 
 // Rows m0 .. m1 - 1 of panels p0 .. p1 - 1: for each group of C panels, tiles of R rows (the
 // last one fewer); a q5_k / q6_k item of kVnniStripRows rows or more unpacks its weights once
@@ -1535,9 +1539,11 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
           _mm512_storeu_si512(buf.data() + k / 2 * C + c, pair_weights_vnni<Fmt>(pb, p + c, k));
       strip = buf.data();
     }
-    if (R < kVnniOneTileRows && m1 - m0 > R && m1 - m0 <= kVnniOneTileRows) {
-      rows_vnni_tail<Fmt, kVnniOneTileRows, C>(pb, a, p, m0, m1 - m0, strip);
-      continue;
+    if constexpr (C == 2 && vnni_one_tile(Fmt)) {  // 8 x 4 sums would not fit the registers
+      if (m1 - m0 > R && m1 - m0 <= kVnniOneTileRows) {
+        rows_vnni_tail<Fmt, kVnniOneTileRows, C>(pb, a, p, m0, m1 - m0, strip);
+        continue;
+      }
     }
     int64_t m = m0;
     for (; m + R <= m1; m += R) tile_vnni<Fmt, R, C>(pb, a, p, m, strip);
