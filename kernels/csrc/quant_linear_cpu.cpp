@@ -1539,7 +1539,7 @@ __attribute__((target("avx512vnni"))) void rows_vnni(const Problem& pb, const Ac
           _mm512_storeu_si512(buf.data() + k / 2 * C + c, pair_weights_vnni<Fmt>(pb, p + c, k));
       strip = buf.data();
     }
-    if constexpr (C == 2 && vnni_one_tile(Fmt)) {  // 8 x 4 sums would not fit the registers
+    if constexpr (C == 2 && vnni_one_tile(Fmt)) {  // not the few-row items: 8 x 4 sums spill
       if (m1 - m0 > R && m1 - m0 <= kVnniOneTileRows) {
         rows_vnni_tail<Fmt, kVnniOneTileRows, C>(pb, a, p, m0, m1 - m0, strip);
         continue;
