@@ -239,6 +239,9 @@ constexpr bool has_supers(int f) { return is_kquant(f) || f == kQ6K; }  // sup_s
 constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || has_supers(f); }
 constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
 constexpr bool has_half_scales(int f) { return f == kQ41 || f == kQ80; }
+// The formats of gemv_vnni_block (one row on AVX512-VNNI): the nibble lines (q4_1, q4_0,
+// q4_k) and q5_k's, with a fifth line of high bits.
+constexpr bool has_gemv_vnni(int f) { return f == kQ41 || f == kQ4K || f == kQ5K; }
 constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || has_supers(f); }
 
 // From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
@@ -1238,6 +1241,17 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
   }
 }
 
+// Rows per block when M rows are cut into as few blocks of at most `most` rows as hold them,
+// of equal size give or take one: with blocks of `most` rows, 64 rows were 48 + 16, and the
+// thread given the first block took three times the other's work. Measured on Zen 4 (2
+// threads, [8192 x 2048], against 48-row blocks in one process): q4_k x16 on the VNNI tiles
+// 1.5x faster at 64 rows, 1.9x at 100 (48 + 48 + 4); q4_1 / q8_0 x16 on the AVX2 tiles 1.4x
+// at 64 and 100.
+inline int64_t even_block_rows(int64_t M, int64_t most) {
+  const int64_t blocks = (M + most - 1) / most;
+  return (M + blocks - 1) / blocks;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // ---- one row of q4_1 x int16 activations with AVX512-VNNI (the AVX-512 build only) -----
 // The same integers and float steps as tile16<kQ41, 1, 4> (so the same bits), with about a
@@ -1301,7 +1315,7 @@ inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
 template <int Fmt>
 __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, const Act16& a,
                                                            const int32_t* words, int64_t b) {
-  static_assert(Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K, "q4_1 (q4_0), q4_k, q5_k lines only");
+  static_assert(has_gemv_vnni(Fmt), "q4_1 (q4_0), q4_k, q5_k lines only");
   constexpr int64_t lines = Fmt == kQ5K ? kQ5Lines : 4;  // 64-byte lines per octet of k
   const uint8_t* wb = static_cast<const uint8_t*>(pb.w) + b * (pb.K / 8) * lines * 64;
   const __m512i mask = _mm512_set1_epi8(15);
@@ -1372,12 +1386,10 @@ __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, co
   }
 }
 
-// Whether a call takes gemv_vnni_block: one q4_1 / q4_0 / q4_k / q5_k row, groups of a
+// Whether a call of a has_gemv_vnni format takes gemv_vnni_block: one row, groups of a
 // multiple of 8, VNNI.
-template <int Fmt>
 inline bool use_gemv_vnni(const Problem& pb) {
-  return (Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K) && pb.M == 1 && pb.group % 8 == 0 &&
-         cpu_has_avx512_vnni();
+  return pb.M == 1 && pb.group % 8 == 0 && cpu_has_avx512_vnni();
 }
 
 // ---- q4_1 / q8_0 x int16 activations, any row count, with AVX512-VNNI (AVX-512 build) -----
@@ -1581,13 +1593,8 @@ template <int Fmt>
 void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
   const bool few = pb.M < kVnniFewRows;
   const int64_t width = few ? 4 : 2;  // panels per item: a block, or half of one
-  const int64_t spans = pb.Np / 16 / width, row_blocks = (pb.M + kVnniRows - 1) / kVnniRows;
-  // blocks of equal rows (give or take one): with 48 + 16 at 64 rows, the thread given the
-  // first block took three times the other's work. Measured on Zen 4 (2 threads, [8192 x
-  // 2048], against 48-row blocks in one process): q4_k 1.5x faster at 64 rows, 1.9x at 100
-  // (48 + 48 + 4)
-  const int64_t block_rows = (pb.M + row_blocks - 1) / row_blocks;
-  const int64_t items = spans * row_blocks;
+  const int64_t spans = pb.Np / 16 / width, block_rows = even_block_rows(pb.M, kVnniRows);
+  const int64_t items = spans * ((pb.M + block_rows - 1) / block_rows);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<__m512i> buf;  // this thread's strip
@@ -1660,8 +1667,8 @@ void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
   quantize_rows16(pb, has_supers(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (Fmt == kQ41 || Fmt == kQ4K || Fmt == kQ5K) {
-    if (use_gemv_vnni<Fmt>(pb)) {
+  if constexpr (has_gemv_vnni(Fmt)) {
+    if (use_gemv_vnni(pb)) {
       std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
       vnni_words(a.q.data(), pb.K, words.data());
       const int64_t blocks = pb.Np / 64;
@@ -1693,8 +1700,8 @@ void run_act16(const Problem& pb, int num_threads) {
     }
     return;
   }
-  const int64_t panels = (pb.N + 15) / 16, blocks = (pb.M + kAct16Rows - 1) / kAct16Rows;
-  const int64_t items = panels * blocks, block_rows = (pb.M + blocks - 1) / blocks;  // as run_vnni
+  const int64_t panels = (pb.N + 15) / 16, block_rows = even_block_rows(pb.M, kAct16Rows);
+  const int64_t items = panels * ((pb.M + block_rows - 1) / block_rows);
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<__m256i> buf;  // this thread's strip
