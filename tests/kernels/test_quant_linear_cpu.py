@@ -377,6 +377,20 @@ def test_act16_keeps_a_non_finite_row_non_finite_and_the_others_unharmed(isa, fm
     assert torch.equal(y[keep], clean[keep])
 
 
+def _assert_one_row_bits(x: torch.Tensor, packed: PackedWeight, isa: str) -> None:
+    """x [48, K] times `packed` is near its float64 reference, and rows 0, 1 and 47 alone
+    get the bits they get among the 48, among 5, and on every other build."""
+    many = qlc.quant_linear(x, packed, isa)
+    torch.testing.assert_close(many, quant_linear_ref(x, packed), rtol=1e-5,
+                               atol=1e-5 * float(many.abs().max()))
+    for r in (0, 1, 47):
+        one = qlc.quant_linear(x[r:r + 1], packed, isa)
+        assert torch.equal(one, many[r:r + 1])
+        assert torch.equal(one, qlc.quant_linear(x[r:r + 5], packed, isa)[:1])
+        for other in qlc.available_isas():
+            assert torch.equal(qlc.quant_linear(x[r:r + 1], packed, other), one)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [8, 32, 64, 256, 6])
 @pytest.mark.parametrize("n", [1, 15, 64, 130, 960])
@@ -392,15 +406,7 @@ def test_act16_one_row_gives_the_bits_of_every_other_row_count(isa, group, n) ->
     x[1, 2] = 40.0  # an outlier in one group
     for bias in (torch.randn(n, generator=g), None):
         packed = with_int16_activations(pack_q4_1_blocks(q, d, m, bias, group=group))
-        many = qlc.quant_linear(x, packed, isa)
-        torch.testing.assert_close(many, quant_linear_ref(x, packed), rtol=1e-5,
-                                   atol=1e-5 * float(many.abs().max()))
-        for r in (0, 1, 47):
-            one = qlc.quant_linear(x[r:r + 1], packed, isa)
-            assert torch.equal(one, many[r:r + 1])
-            assert torch.equal(one, qlc.quant_linear(x[r:r + 5], packed, isa)[:1])
-            for other in qlc.available_isas():
-                assert torch.equal(qlc.quant_linear(x[r:r + 1], packed, other), one)
+        _assert_one_row_bits(x, packed, isa)
     bad = x[:1].clone()
     bad[0, k - 1] = float("nan")
     assert bool(qlc.quant_linear(bad, packed, isa).isnan().all())
@@ -531,16 +537,7 @@ def test_k_act16_one_row_gives_the_bits_of_every_other_row_count(isa, types, n) 
         for top in (False, True):
             if top:  # every weight's integer at its top: q5_k's high line all ones
                 base = dataclasses.replace(base, data=torch.full_like(base.data, 255))
-            packed = with_int16_activations(base)
-            many = qlc.quant_linear(x, packed, isa)
-            torch.testing.assert_close(many, quant_linear_ref(x, packed), rtol=1e-5,
-                                       atol=1e-5 * float(many.abs().max()))
-            for r in (0, 1, 47):
-                one = qlc.quant_linear(x[r:r + 1], packed, isa)
-                assert torch.equal(one, many[r:r + 1])
-                assert torch.equal(one, qlc.quant_linear(x[r:r + 5], packed, isa)[:1])
-                for other in qlc.available_isas():
-                    assert torch.equal(qlc.quant_linear(x[r:r + 1], packed, other), one)
+            _assert_one_row_bits(x, with_int16_activations(base), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
