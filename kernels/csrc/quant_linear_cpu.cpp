@@ -240,8 +240,8 @@ constexpr bool is_grouped(int f) { return f == kI4 || f == kQ41 || f == kQ80 || 
 constexpr bool has_min(int f) { return f == kI4 || f == kQ41 || is_kquant(f); }
 constexpr bool has_half_scales(int f) { return f == kQ41 || f == kQ80; }
 // The formats of gemv_vnni_block (one row on AVX512-VNNI): the nibble lines (q4_1, q4_0,
-// q4_k) and q5_k's, with a fifth line of high bits.
-constexpr bool has_gemv_vnni(int f) { return f == kQ41 || f == kQ4K || f == kQ5K; }
+// q4_k), q5_k's (with a fifth line of high bits) and q6_k's (two high lines per octet).
+constexpr bool has_gemv_vnni(int f) { return f == kQ41 || f == kQ4K || f == kQ5K || f == kQ6K; }
 constexpr bool is_format(int f) { return (f >= kF32 && f <= kQ80) || has_supers(f); }
 
 // From this many row blocks on, int8 / int4 weights are unpacked once per panel group into
@@ -1310,13 +1310,60 @@ inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
 // (even k) or 2 j + 1 (odd k) is set: two vptestmb and two masked vpaddb a vector. The sums
 // and float steps are tile_vnni<Fmt, 1, 4>'s (group_scales), so its bits.
 
+// q6_k (kQ6Lines per quad of k: two per octet of nibble lines, each with its line of high
+// bits) takes its 6-bit values q in [0, 63] whole, before the transposition: the octet's
+// eight k are formed as full bytes, (nibble & 15) | (high field << 4) (a shift, an and and
+// one vpternlogd each), then transposed as the nibble lines are (the even k's bytes, then the
+// odd k's). vpdpbusd takes q unsigned (as h's partner) and as a signed byte (l's partner,
+// q <= 63), and the group's sum of q - 32 times qx, tile_vnni's integer, is sum q qx minus 32
+// times the group's sum of qx (`gsum`, per group of 16, from the row's qx): exact
+// (|sum q qx| <= 63 * 32767 * 16 < 2^31). No min step (q6_k has none), as tile_vnni.
+
+// The octet's even k (q6_even: k = 8t, 8t + 2, 8t + 4, 8t + 6) and odd k as full q6_k bytes,
+// per channel, from its six lines at p (nibbles of k 0-1, of k 2-3, high fields of k 0-3,
+// then the same for k 4-7).
+__attribute__((target("avx512vnni"))) inline void q6_octet(const uint8_t* p, __m512i (&f)[8]) {
+  const __m512i n0 = _mm512_loadu_si512(p), n1 = _mm512_loadu_si512(p + 64);
+  const __m512i h0 = _mm512_loadu_si512(p + 128), n2 = _mm512_loadu_si512(p + 192);
+  const __m512i n3 = _mm512_loadu_si512(p + 256), h1 = _mm512_loadu_si512(p + 320);
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const auto six = [&](__m512i low, __m512i high) {  // (low & 15) | (high & 0x30): 0xEC = (a & c) | b
+    return _mm512_ternarylogic_epi32(low, _mm512_and_si512(high, m30), m0f, 0xEC);
+  };
+  // field i of a quad's high byte (bits 2 i, 2 i + 1) to bits 4-5 of its byte
+  f[0] = six(n0, _mm512_slli_epi16(h0, 4));
+  f[1] = six(_mm512_srli_epi16(n0, 4), _mm512_slli_epi16(h0, 2));
+  f[2] = six(n1, h0);
+  f[3] = six(_mm512_srli_epi16(n1, 4), _mm512_srli_epi16(h0, 2));
+  f[4] = six(n2, _mm512_slli_epi16(h1, 4));
+  f[5] = six(_mm512_srli_epi16(n2, 4), _mm512_slli_epi16(h1, 2));
+  f[6] = six(n3, h1);
+  f[7] = six(_mm512_srli_epi16(n3, 4), _mm512_srli_epi16(h1, 2));
+}
+
+// Four byte lines a, b, c, d (64 channels each) transposed so that int32 lane e of the 128-bit
+// lane L of u[i] holds channel 16 L + 4 i + e's bytes (a, b, c, d) (unpacks work within 128-bit
+// lanes).
+__attribute__((target("avx512vnni"))) inline void transpose_lines(__m512i a, __m512i b, __m512i c,
+                                                                 __m512i d, __m512i (&u)[4]) {
+  const __m512i t01 = _mm512_unpacklo_epi8(a, b), t01h = _mm512_unpackhi_epi8(a, b);
+  const __m512i t23 = _mm512_unpacklo_epi8(c, d), t23h = _mm512_unpackhi_epi8(c, d);
+  u[0] = _mm512_unpacklo_epi16(t01, t23);
+  u[1] = _mm512_unpackhi_epi16(t01, t23);
+  u[2] = _mm512_unpacklo_epi16(t01h, t23h);
+  u[3] = _mm512_unpackhi_epi16(t01h, t23h);
+}
+
 // Block b (channels 64 b .. 64 b + 63) of one row: every group's integer sums, the float
-// steps, the bias. Needs K a multiple of 8 and the group a multiple of 8.
+// steps, the bias. Needs K a multiple of 8 and the group a multiple of 8; q6_k needs `gsum`
+// (the row's sum of qx per group), the others ignore it.
 template <int Fmt>
 __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, const Act16& a,
-                                                           const int32_t* words, int64_t b) {
-  static_assert(has_gemv_vnni(Fmt), "q4_1 (q4_0), q4_k, q5_k lines only");
-  constexpr int64_t lines = Fmt == kQ5K ? kQ5Lines : 4;  // 64-byte lines per octet of k
+                                                           const int32_t* words,
+                                                           const int32_t* gsum, int64_t b) {
+  static_assert(has_gemv_vnni(Fmt), "q4_1 (q4_0), q4_k, q5_k, q6_k lines only");
+  // 64-byte lines per octet of k
+  constexpr int64_t lines = Fmt == kQ5K ? kQ5Lines : Fmt == kQ6K ? 2 * kQ6Lines : 4;
   const uint8_t* wb = static_cast<const uint8_t*>(pb.w) + b * (pb.K / 8) * lines * 64;
   const __m512i mask = _mm512_set1_epi8(15);
   __m512i spread[4];  // vpshufb indices: int32 lane e of u[i] <- byte 4 i + e, 4 times
@@ -1336,26 +1383,33 @@ __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, co
     for (int64_t t = g * pb.group / 8; t < t1; ++t) {
       const uint8_t* p = wb + t * lines * 64;  // the octet's lines
       for (int i = 0; i < lines; ++i) __builtin_prefetch(p + kGemvPrefetchBytes + 64 * i);
-      const __m512i l0 = _mm512_loadu_si512(p), l1 = _mm512_loadu_si512(p + 64);
-      const __m512i l2 = _mm512_loadu_si512(p + 128), l3 = _mm512_loadu_si512(p + 192);
-      const __m512i t01 = _mm512_unpacklo_epi8(l0, l1), t01h = _mm512_unpackhi_epi8(l0, l1);
-      const __m512i t23 = _mm512_unpacklo_epi8(l2, l3), t23h = _mm512_unpackhi_epi8(l2, l3);
-      const __m512i u[4] = {_mm512_unpacklo_epi16(t01, t23), _mm512_unpackhi_epi16(t01, t23),
-                            _mm512_unpacklo_epi16(t01h, t23h), _mm512_unpackhi_epi16(t01h, t23h)};
+      __m512i qe[4], qo[4];  // the even k's and the odd k's bytes, transposed
+      if constexpr (Fmt == kQ6K) {
+        __m512i f[8];
+        q6_octet(p, f);
+        transpose_lines(f[0], f[2], f[4], f[6], qe);
+        transpose_lines(f[1], f[3], f[5], f[7], qo);
+      } else {
+        __m512i u[4];
+        transpose_lines(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 64),
+                        _mm512_loadu_si512(p + 128), _mm512_loadu_si512(p + 192), u);
+        for (int i = 0; i < 4; ++i) {
+          qe[i] = _mm512_and_si512(u[i], mask);
+          qo[i] = _mm512_and_si512(_mm512_srli_epi16(u[i], 4), mask);
+          if constexpr (Fmt == kQ5K) {
+            const __m512i h = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 256), spread[i]);
+            qe[i] = _mm512_mask_add_epi8(qe[i], _mm512_test_epi8_mask(h, even_bits), qe[i], sixteen);
+            qo[i] = _mm512_mask_add_epi8(qo[i], _mm512_test_epi8_mask(h, odd_bits), qo[i], sixteen);
+          }
+        }
+      }
       const __m512i he = _mm512_set1_epi32(words[4 * t]), ho = _mm512_set1_epi32(words[4 * t + 1]);
       const __m512i le = _mm512_set1_epi32(words[4 * t + 2]), lo = _mm512_set1_epi32(words[4 * t + 3]);
       for (int i = 0; i < 4; ++i) {
-        __m512i qe = _mm512_and_si512(u[i], mask);
-        __m512i qo = _mm512_and_si512(_mm512_srli_epi16(u[i], 4), mask);
-        if constexpr (Fmt == kQ5K) {
-          const __m512i h = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 256), spread[i]);
-          qe = _mm512_mask_add_epi8(qe, _mm512_test_epi8_mask(h, even_bits), qe, sixteen);
-          qo = _mm512_mask_add_epi8(qo, _mm512_test_epi8_mask(h, odd_bits), qo, sixteen);
-        }
-        sh[i] = _mm512_dpbusd_epi32(sh[i], qe, he);
-        sh[i] = _mm512_dpbusd_epi32(sh[i], qo, ho);
-        sl[i] = _mm512_dpbusd_epi32(sl[i], le, qe);
-        sl[i] = _mm512_dpbusd_epi32(sl[i], lo, qo);
+        sh[i] = _mm512_dpbusd_epi32(sh[i], qe[i], he);
+        sh[i] = _mm512_dpbusd_epi32(sh[i], qo[i], ho);
+        sl[i] = _mm512_dpbusd_epi32(sl[i], le, qe[i]);
+        sl[i] = _mm512_dpbusd_epi32(sl[i], lo, qo[i]);
       }
     }
     __m512i s[4];
@@ -1363,14 +1417,18 @@ __attribute__((target("avx512vnni"))) void gemv_vnni_block(const Problem& pb, co
     // s[i] lane L holds channels 16 L + 4 i .. 16 L + 4 i + 3: transpose the 4 x 4 lanes
     const __m512i a01 = _mm512_shuffle_i32x4(s[0], s[1], 0x44), b01 = _mm512_shuffle_i32x4(s[2], s[3], 0x44);
     const __m512i a23 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE), b23 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
-    const __m512i isum[4] = {_mm512_shuffle_i32x4(a01, b01, 0x88), _mm512_shuffle_i32x4(a01, b01, 0xDD),
-                             _mm512_shuffle_i32x4(a23, b23, 0x88), _mm512_shuffle_i32x4(a23, b23, 0xDD)};
-    const __m512 vdx = _mm512_set1_ps(a.dx(pb, 0, g)), vxs = _mm512_set1_ps(pb.xsum[g]);
+    __m512i isum[4] = {_mm512_shuffle_i32x4(a01, b01, 0x88), _mm512_shuffle_i32x4(a01, b01, 0xDD),
+                       _mm512_shuffle_i32x4(a23, b23, 0x88), _mm512_shuffle_i32x4(a23, b23, 0xDD)};
+    if constexpr (Fmt == kQ6K) {  // sum (q - 32) qx
+      const __m512i off = _mm512_set1_epi32(32 * gsum[g]);
+      for (int c = 0; c < 4; ++c) isum[c] = _mm512_sub_epi32(isum[c], off);
+    }
+    const __m512 vdx = _mm512_set1_ps(a.dx(pb, 0, g));
     for (int c = 0; c < 4; ++c) {  // tile16's float steps, lane for lane
       V16 d, mn;
       group_scales<Fmt>(pb, 4 * b + c, g, d, mn);  // q4_0: mn = -8 d
       tot[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[c]), _mm512_mul_ps(d.v, vdx), tot[c]);
-      tot[c] = _mm512_fmadd_ps(vxs, mn.v, tot[c]);
+      if constexpr (has_min(Fmt)) tot[c] = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[g]), mn.v, tot[c]);
     }
   }
   for (int c = 0; c < 4; ++c) {
@@ -1669,11 +1727,16 @@ void run_act16(const Problem& pb, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (has_gemv_vnni(Fmt)) {
     if (use_gemv_vnni(pb)) {
-      std::vector<int32_t> words(static_cast<size_t>(pb.K / 2));
+      std::vector<int32_t> words(static_cast<size_t>(pb.K / 2)), gsum;
       vnni_words(a.q.data(), pb.K, words.data());
+      if constexpr (Fmt == kQ6K) {  // the row's sum of qx per weight group
+        gsum.assign(static_cast<size_t>(pb.groups), 0);
+        for (int64_t k = 0; k < pb.K; ++k) gsum[static_cast<size_t>(k / pb.group)] += a.q[k];
+      }
       const int64_t blocks = pb.Np / 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-      for (int64_t b = 0; b < blocks; ++b) gemv_vnni_block<Fmt>(pb, a, words.data(), b);
+      for (int64_t b = 0; b < blocks; ++b)
+        gemv_vnni_block<Fmt>(pb, a, words.data(), gsum.data(), b);
       return;
     }
   }

@@ -522,22 +522,24 @@ def test_k_act16_formats_match_their_reference_and_stay_near_fp32(isa, types) ->
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("types", [("Q4_K",), ("Q5_K",)])
+@pytest.mark.parametrize("types", [("Q4_K",), ("Q5_K",), ("Q6_K",)])
 @pytest.mark.parametrize("n", [1, 15, 64, 130, 960])
 def test_k_act16_one_row_gives_the_bits_of_every_other_row_count(isa, types, n) -> None:
-    """A one-row q4_k / q5_k x16 call (on an AVX-512 CPU with VNNI: gemv_vnni_block, q5_k's
-    high bits spread to the transposed bytes; elsewhere the tiles) gives a row the bits it
-    gets in calls of 5 and 48 rows and in the other build, with and without a bias, at every
-    edge of a 64-channel block; also with every q at its top (15 / 31: every high bit set)."""
+    """A one-row q4_k / q5_k / q6_k x16 call (on an AVX-512 CPU with VNNI: gemv_vnni_block,
+    q5_k's high bits spread to the transposed bytes, q6_k's values formed whole and their
+    offset of 32 taken from the row's group sums; elsewhere the tiles) gives a row the bits
+    it gets in calls of 5 and 48 rows and in the other build, with and without a bias, at
+    every edge of a 64-channel block; also with every q at its top (15 / 31 / 63: every high
+    bit set) and at 0 (q6_k: q - 32 = -32 everywhere)."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(48, 512, generator=g)
     x[1, 2] = 40.0  # an outlier in one group
     for bias in (True, False):
         base = _k_packed(types, n, 512, bias=bias)
-        for top in (False, True):
-            if top:  # every weight's integer at its top: q5_k's high line all ones
-                base = dataclasses.replace(base, data=torch.full_like(base.data, 255))
-            _assert_one_row_bits(x, with_int16_activations(base), isa)
+        for fill in (None, 255, 0):
+            packed = base if fill is None else \
+                dataclasses.replace(base, data=torch.full_like(base.data, fill))
+            _assert_one_row_bits(x, with_int16_activations(packed), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
