@@ -1319,9 +1319,8 @@ inline void vnni_words(const int16_t* qx, int64_t K, int32_t* words) {
 // times the group's sum of qx (`gsum`, per group of 16, from the row's qx): exact
 // (|sum q qx| <= 63 * 32767 * 16 < 2^31). No min step (q6_k has none), as tile_vnni.
 
-// The octet's even k (q6_even: k = 8t, 8t + 2, 8t + 4, 8t + 6) and odd k as full q6_k bytes,
-// per channel, from its six lines at p (nibbles of k 0-1, of k 2-3, high fields of k 0-3,
-// then the same for k 4-7).
+// The octet's eight k as full q6_k bytes, f[j] for k = 8t + j (64 channels each), from its
+// six lines at p (nibbles of k 0-1, of k 2-3, high fields of k 0-3, then the same for k 4-7).
 __attribute__((target("avx512vnni"))) inline void q6_octet(const uint8_t* p, __m512i (&f)[8]) {
   const __m512i n0 = _mm512_loadu_si512(p), n1 = _mm512_loadu_si512(p + 64);
   const __m512i h0 = _mm512_loadu_si512(p + 128), n2 = _mm512_loadu_si512(p + 192);
