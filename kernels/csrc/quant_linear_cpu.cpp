@@ -1730,7 +1730,9 @@ void run_act16(const Problem& pb, int num_threads) {
       vnni_words(a.q.data(), pb.K, words.data());
       if constexpr (Fmt == kQ6K) {  // the row's sum of qx per weight group
         gsum.assign(static_cast<size_t>(pb.groups), 0);
-        for (int64_t k = 0; k < pb.K; ++k) gsum[static_cast<size_t>(k / pb.group)] += a.q[k];
+        for (int64_t g = 0; g < pb.groups; ++g)
+          for (int64_t k = g * pb.group; k < (g + 1) * pb.group; ++k)
+            gsum[static_cast<size_t>(g)] += a.q[k];
       }
       const int64_t blocks = pb.Np / 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
