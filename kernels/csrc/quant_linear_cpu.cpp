@@ -1135,6 +1135,59 @@ inline void prefetch_ahead(const Problem& pb, int64_t p0, int64_t k) {
   }
 }
 
+// Group g's 16 scales of panel p as tile16's float steps take them: d (channels 0-7, 8-15)
+// and, for the formats with a min, the min (q4_0: -8 d).
+struct Scales16 {
+  __m256 d0, d1, n0, n1;
+};
+
+template <int Fmt>
+inline void panel_scales16(const Problem& pb, int64_t p, int64_t g, Scales16& sc) {
+  sc.n0 = sc.n1 = _mm256_setzero_ps();
+  if constexpr (has_supers(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
+    V16 d, mn;
+    group_scales<Fmt>(pb, p, g, d, mn);
+    alignas(64) float dm[2][16];
+    store(dm[0], d);
+    store(dm[1], mn);
+    sc.d0 = _mm256_load_ps(dm[0]);
+    sc.d1 = _mm256_load_ps(dm[0] + 8);
+    sc.n0 = _mm256_load_ps(dm[1]);
+    sc.n1 = _mm256_load_ps(dm[1] + 8);
+  } else {
+    const int64_t off = at(p, pb.groups, g);
+    const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
+    sc.d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
+    sc.d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
+    if constexpr (has_min(Fmt)) {
+      if (pb.minv == nullptr) {  // q4_0: min = -8 d (exact)
+        sc.n0 = _mm256_mul_ps(sc.d0, _mm256_set1_ps(-8.f));
+        sc.n1 = _mm256_mul_ps(sc.d1, _mm256_set1_ps(-8.f));
+      } else {
+        const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+        sc.n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+        sc.n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
+      }
+    }
+  }
+}
+
+// The float step of row m's group g over one panel, every x16 kernel of AVX2 alike: i0, i1
+// are the group's integer sums (channels 0-7, 8-15), t0, t1 the running outputs:
+// t = fma(float(i), d * dx, t), then (formats with a min) t = fma(xsum, min, t).
+template <int Fmt>
+inline void group_step16(const Problem& pb, const Act16& a, int64_t m, int64_t g,
+                         const Scales16& sc, __m256i i0, __m256i i1, __m256& t0, __m256& t1) {
+  const __m256 vdx = _mm256_set1_ps(a.dx(pb, m, g));
+  t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(sc.d0, vdx), t0);
+  t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(sc.d1, vdx), t1);
+  if constexpr (has_min(Fmt)) {
+    const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
+    t0 = _mm256_fmadd_ps(vxs, sc.n0, t0);
+    t1 = _mm256_fmadd_ps(vxs, sc.n1, t1);
+  }
+}
+
 // Rows m0 .. m0+R-1 of panels p0 .. p0+C-1: every group's integer sums, the float steps,
 // the bias. The weight pairs come from `strip` ([K / 2][2] vectors: channels 0-7 and 8-15,
 // pair_weights16's lo and hi put in channel order; C = 1 only) when given.
@@ -1174,50 +1227,16 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       }
     }
     for (int c = 0; c < C; ++c) {
-      __m256 d0, d1, n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
-      if constexpr (has_supers(Fmt)) {  // d1, min1 formed exactly (group_scales), as halves
-        V16 d, mn;
-        group_scales<Fmt>(pb, p0 + c, g, d, mn);
-        alignas(64) float dm[2][16];
-        store(dm[0], d);
-        store(dm[1], mn);
-        d0 = _mm256_load_ps(dm[0]);
-        d1 = _mm256_load_ps(dm[0] + 8);
-        n0 = _mm256_load_ps(dm[1]);
-        n1 = _mm256_load_ps(dm[1] + 8);
-      } else {
-        const int64_t off = at(p0 + c, pb.groups, g);
-        const uint16_t* dw = static_cast<const uint16_t*>(pb.scale) + off;
-        d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw)));
-        d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + 8)));
-        if constexpr (has_min(Fmt)) {
-          if (pb.minv == nullptr) {  // q4_0: min = -8 d (exact)
-            n0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.f));
-            n1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.f));
-          } else {
-            const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
-            n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-            n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + 8)));
-          }
-        }
-      }
+      Scales16 sc;
+      panel_scales16<Fmt>(pb, p0 + c, g, sc);
       for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        const __m256 vdx = _mm256_set1_ps(a.dx(pb, m, g));
         __m256i i0 = s[r][c][0], i1 = s[r][c][1];  // a strip's sums: channels 0-7, 8-15
         if (strip == nullptr) {  // packed pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
           i0 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x20);
           i1 = _mm256_permute2x128_si256(s[r][c][0], s[r][c][1], 0x31);
         }
-        __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, vdx),
-                                    _mm256_load_ps(tot[r][c]));
-        __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, vdx),
-                                    _mm256_load_ps(tot[r][c] + 8));
-        if constexpr (has_min(Fmt)) {
-          const __m256 vxs = _mm256_set1_ps(pb.xsum[m * pb.groups + g]);
-          t0 = _mm256_fmadd_ps(vxs, n0, t0);
-          t1 = _mm256_fmadd_ps(vxs, n1, t1);
-        }
+        __m256 t0 = _mm256_load_ps(tot[r][c]), t1 = _mm256_load_ps(tot[r][c] + 8);
+        group_step16<Fmt>(pb, a, m0 + r, g, sc, i0, i1, t0, t1);
         _mm256_store_ps(tot[r][c], t0);
         _mm256_store_ps(tot[r][c] + 8, t1);
       }
@@ -1239,6 +1258,198 @@ void tile16(const Problem& pb, const Act16& a, int64_t p0, int64_t m0, const __m
       }
     }
   }
+}
+
+// Groups ahead whose scale lines a one-row call prefetches (gemv16_block): a group of q4_k's
+// 32 k is 16 weight lines of the block, so 4 groups are the weights' kGemvPrefetchBytes
+// twice over.
+constexpr int64_t kGemv16ScaleGroupsAhead = 4;
+
+// Prefetches the lines of group g's scales (and mins, super-block scales) of the 64-channel
+// block holding panel p0, when g is a group of the weight.
+template <int Fmt>
+inline void prefetch_scales16(const Problem& pb, int64_t p0, int64_t g) {
+  if (g >= pb.groups) return;
+  const int64_t off = at(p0, pb.groups, g);
+  if constexpr (has_supers(Fmt)) {  // int8 / uint8 sc (and m): one line a group
+    __builtin_prefetch(static_cast<const uint8_t*>(pb.scale) + off);
+    if constexpr (has_min(Fmt)) __builtin_prefetch(static_cast<const uint8_t*>(pb.minv) + off);
+    if ((g * pb.group) % pb.super_group == 0) {  // fp16 d (and dmin): two lines a super-block
+      const int64_t soff = at(p0, pb.supers, g * pb.group / pb.super_group);
+      __builtin_prefetch(pb.sup_scale + soff);
+      __builtin_prefetch(pb.sup_scale + soff + 32);
+      if constexpr (has_min(Fmt)) {
+        __builtin_prefetch(pb.sup_min + soff);
+        __builtin_prefetch(pb.sup_min + soff + 32);
+      }
+    }
+  } else {  // fp16 d (and min): two lines a group
+    const uint16_t* d = static_cast<const uint16_t*>(pb.scale) + off;
+    __builtin_prefetch(d);
+    __builtin_prefetch(d + 32);
+    if (pb.minv != nullptr) {
+      const uint16_t* mn = static_cast<const uint16_t*>(pb.minv) + off;
+      __builtin_prefetch(mn);
+      __builtin_prefetch(mn + 32);
+    }
+  }
+}
+
+// Row m's outputs of panels p0 .. p0 + 3 (tot: channels 0-7, 8-15 of each), the bias added,
+// stored where the panel holds output channels.
+inline void store_row16(const Problem& pb, int64_t p0, int64_t m, const __m256 (&tot)[4][2]) {
+  for (int c = 0; c < 4; ++c) {
+    const int64_t c0 = (p0 + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, pb.N - c0);
+    if (valid <= 0) continue;
+    alignas(32) float t[16];
+    _mm256_store_ps(t, tot[c][0]);
+    _mm256_store_ps(t + 8, tot[c][1]);
+    if (pb.bias != nullptr)
+      for (int j = 0; j < 16; ++j) t[j] += pb.bias[c0 + j];
+    std::memcpy(pb.y + m * pb.y_stride + c0, t, static_cast<size_t>(valid) * sizeof(float));
+  }
+}
+
+// One row of a 4-bit x16 call on AVX2 (q4_1, q4_0, q4_k): a 64-channel block, tile16<Fmt, 1,
+// 4>'s integer sums and float steps (group_step16), with the k pairs walked by one pointer
+// (each pair of the block is one 64-byte line: the four panels' 16 bytes), each half block's
+// four sums in registers (the other half's lines are still in L1), and the group's scale lines
+// prefetched a few groups ahead. tile16's general indexing (at() per panel and pair) left GCC
+// three of its eight sums on the stack and an address computation per panel. Measured on Zen 3
+// (AVX2, 2 threads, a 1B Q4_K_M decode step's weights streamed, both builds in one process,
+// taking turns over 20 rounds): the step's median 30.98 -> 26.17 ms.
+template <int Fmt>
+void gemv16_block(const Problem& pb, const Act16& a, int64_t b) {
+  static_assert(is_4bit(Fmt), "gemv16_block: the nibble formats only");
+  const int64_t p0 = 4 * b;
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p0, pb.K / 2, 0);
+  const int16_t* qx = a.q.data();
+  const __m256i low4 = _mm256_set1_epi16(15);
+  __m256 tot[4][2];
+  for (int c = 0; c < 4; ++c) tot[c][0] = tot[c][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    prefetch_scales16<Fmt>(pb, p0, g + kGemv16ScaleGroupsAhead);
+    const int64_t k1 = (g + 1) * pb.group;
+    __m256i s[4][2];
+    const uint8_t* wg = w;
+    for (int h = 0; h < 2; ++h) {  // the block's two halves in turn: four sums in registers
+      __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+      const uint8_t* wk = wg + 32 * h;
+      for (int64_t k = g * pb.group; k < k1; k += 2, wk += 64) {
+        if (h == 0) __builtin_prefetch(wk + kGemvPrefetchBytes);
+        int32_t pair;
+        std::memcpy(&pair, qx + k, 4);
+        const __m256i xp = _mm256_set1_epi32(pair);
+        const __m256i v0 =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
+        const __m256i v1 =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16)));
+        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_srli_epi16(v0, 4);
+        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_srli_epi16(v1, 4);
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi16(lo0, hi0), xp));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi16(lo0, hi0), xp));
+        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi16(lo1, hi1), xp));
+        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi16(lo1, hi1), xp));
+      }
+      s[2 * h][0] = s0;
+      s[2 * h][1] = s1;
+      s[2 * h + 1][0] = s2;
+      s[2 * h + 1][1] = s3;
+    }
+    w += pb.group * 32;  // the group's pb.group / 2 lines
+    for (int c = 0; c < 4; ++c) {  // pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
+      Scales16 sc;
+      panel_scales16<Fmt>(pb, p0 + c, g, sc);
+      group_step16<Fmt>(pb, a, 0, g, sc, _mm256_permute2x128_si256(s[c][0], s[c][1], 0x20),
+                        _mm256_permute2x128_si256(s[c][0], s[c][1], 0x31), tot[c][0], tot[c][1]);
+    }
+  }
+  store_row16(pb, p0, 0, tot);
+}
+
+// Row 0's sum of qx over each weight group (q6_k's one-row kernels take the offset of 32 off
+// their sums with it: exact).
+inline std::vector<int32_t> group_sums16(const Problem& pb, const Act16& a) {
+  std::vector<int32_t> gsum(static_cast<size_t>(pb.groups), 0);
+  for (int64_t g = 0; g < pb.groups; ++g)
+    for (int64_t k = g * pb.group; k < (g + 1) * pb.group; ++k)
+      gsum[static_cast<size_t>(g)] += a.q[k];
+  return gsum;
+}
+
+// One row of a q6_k x16 call on AVX2: a 64-channel block, tile16<kQ6K, 1, 4>'s integer sums
+// and float steps (group_step16), formed a quad of k at a time for two panels at once (the
+// quad's three lines, 32 bytes each: q6_quad's byte arithmetic on 256-bit registers). The
+// values stay in [0, 63] (no byte subtraction) and their offset of 32 comes off the group's
+// sums as 32 x the row's sum of qx over the group (gsum: exact, the same int32 sums). Byte
+// pairs (k, k + 1) are widened to the word pairs of vpmaddwd by unpacking with zero. tile16
+// formed each pair of each panel from 128-bit loads, about twice the instructions a weight.
+// Measured on Zen 3 (AVX2, one thread, [1024 x 4096] in L3, one process): q6_k x16 took
+// 1.9-2.1x q4_k x16's time before, 1.35-1.45x after.
+void gemv16_q6k_block(const Problem& pb, const Act16& a, const int32_t* gsum, int64_t b) {
+  const int64_t p0 = 4 * b, lines = pb.K / 4 * kQ6Lines;
+  const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p0, lines, 0);
+  const int16_t* qx = a.q.data();
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 tot[4][2];
+  for (int c = 0; c < 4; ++c) tot[c][0] = tot[c][1] = _mm256_setzero_ps();
+  const int64_t quads = pb.group / 4;  // a group's quads: 3 lines each
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    prefetch_scales16<kQ6K>(pb, p0, g + kGemv16ScaleGroupsAhead);
+    const __m256i off = _mm256_set1_epi32(32 * gsum[g]);
+    __m256i s[4][2];  // panel c's sums: channels 0-7, 8-15
+    for (int h = 0; h < 2; ++h) {  // panels 2h, 2h + 1: lanes 0 and 1 of each register
+      __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;  // channels 0-3, 4-7, 8-11, 12-15
+      const uint8_t* l = w + 32 * h;
+      for (int64_t j = 0; j < quads; ++j, l += kQ6Lines * 64) {
+        if (h == 0)
+          for (int i = 0; i < kQ6Lines; ++i) __builtin_prefetch(l + kGemvPrefetchBytes + 64 * i);
+        const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+        const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 64));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 128));
+        const auto six = [&](__m256i low, __m256i high) {  // low & 15 | high & 0x30
+          return _mm256_or_si256(_mm256_and_si256(low, m0f), _mm256_and_si256(high, m30));
+        };
+        const __m256i q0 = six(n0, _mm256_slli_epi16(hb, 4));
+        const __m256i q1 = six(_mm256_srli_epi16(n0, 4), _mm256_slli_epi16(hb, 2));
+        const __m256i q2 = six(n1, hb);
+        const __m256i q3 = six(_mm256_srli_epi16(n1, 4), _mm256_srli_epi16(hb, 2));
+        const int64_t k = g * pb.group + 4 * j;
+        int32_t pair;
+        std::memcpy(&pair, qx + k, 4);
+        const __m256i x01 = _mm256_set1_epi32(pair);
+        std::memcpy(&pair, qx + k + 2, 4);
+        const __m256i x23 = _mm256_set1_epi32(pair);
+        const __m256i pa = _mm256_unpacklo_epi8(q0, q1), pb01 = _mm256_unpackhi_epi8(q0, q1);
+        const __m256i pc = _mm256_unpacklo_epi8(q2, q3), pd = _mm256_unpackhi_epi8(q2, q3);
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(pa, zero), x01));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(pa, zero), x01));
+        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(pb01, zero), x01));
+        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(pb01, zero), x01));
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(pc, zero), x23));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(pc, zero), x23));
+        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(pd, zero), x23));
+        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(pd, zero), x23));
+      }
+      s0 = _mm256_sub_epi32(s0, off);
+      s1 = _mm256_sub_epi32(s1, off);
+      s2 = _mm256_sub_epi32(s2, off);
+      s3 = _mm256_sub_epi32(s3, off);
+      s[2 * h][0] = _mm256_permute2x128_si256(s0, s1, 0x20);
+      s[2 * h][1] = _mm256_permute2x128_si256(s2, s3, 0x20);
+      s[2 * h + 1][0] = _mm256_permute2x128_si256(s0, s1, 0x31);
+      s[2 * h + 1][1] = _mm256_permute2x128_si256(s2, s3, 0x31);
+    }
+    w += quads * kQ6Lines * 64;
+    for (int c = 0; c < 4; ++c) {
+      Scales16 sc;
+      panel_scales16<kQ6K>(pb, p0 + c, g, sc);
+      group_step16<kQ6K>(pb, a, 0, g, sc, s[c][0], s[c][1], tot[c][0], tot[c][1]);
+    }
+  }
+  store_row16(pb, p0, 0, tot);
 }
 
 // Rows per block when M rows are cut into as few blocks of at most `most` rows as hold them,
@@ -1728,12 +1939,7 @@ void run_act16(const Problem& pb, int num_threads) {
     if (use_gemv_vnni(pb)) {
       std::vector<int32_t> words(static_cast<size_t>(pb.K / 2)), gsum;
       vnni_words(a.q.data(), pb.K, words.data());
-      if constexpr (Fmt == kQ6K) {  // the row's sum of qx per weight group
-        gsum.assign(static_cast<size_t>(pb.groups), 0);
-        for (int64_t g = 0; g < pb.groups; ++g)
-          for (int64_t k = g * pb.group; k < (g + 1) * pb.group; ++k)
-            gsum[static_cast<size_t>(g)] += a.q[k];
-      }
+      if constexpr (Fmt == kQ6K) gsum = group_sums16(pb, a);
       const int64_t blocks = pb.Np / 64;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
       for (int64_t b = 0; b < blocks; ++b)
@@ -1748,9 +1954,17 @@ void run_act16(const Problem& pb, int num_threads) {
 #endif
   if (pb.M < kAct16GemvRows) {
     const int64_t blocks = pb.Np / 64;
+    std::vector<int32_t> gsum;
+    if constexpr (Fmt == kQ6K) gsum = group_sums16(pb, a);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t m = 0; m < pb.M; ++m) tile16<Fmt, 1, 4>(pb, a, 4 * b, m, nullptr);
+      if constexpr (is_4bit(Fmt)) {
+        gemv16_block<Fmt>(pb, a, b);
+      } else if constexpr (Fmt == kQ6K) {
+        gemv16_q6k_block(pb, a, gsum.data(), b);
+      } else {
+        tile16<Fmt, 1, 4>(pb, a, 4 * b, 0, nullptr);
+      }
     return;
   }
   if (pb.M < kAct16HalfBlockRows) {  // 2 or 3 rows: one tile of every row per half block
