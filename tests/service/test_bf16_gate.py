@@ -36,6 +36,25 @@ def test_compare_counts_agreement_and_perplexities() -> None:
         compare(3, ref, _preds([1], [1.0]))
 
 
+def test_perplexities_past_a_float_are_compared_by_their_mean_nll() -> None:
+    """A random-weight file's text can have a mean NLL of hundreds of nats: exp overflows
+    (perplexity inf for both), and the change comes from the NLLs' difference instead of
+    reading inf and refusing every bucket."""
+    ref = _preds([1, 2, 3, 4], [800.0] * 4)
+    close = compare(3, ref, _preds([1, 2, 3, 4], [800.0, 800.0, 800.0, 800.004]))
+    assert close.perplexity == close.perplexity_ref == math.inf
+    assert close.perplexity_change == pytest.approx(math.expm1(0.001))
+    assert close.passes(QualityGate(min_positions=4))
+    assert "mean NLL 800 vs 800 nats (perplexity +0.10%)" in close.describe()
+    far = compare(3, ref, _preds([1, 2, 3, 4], [800.0, 800.0, 800.0, 804.0]))
+    assert far.perplexity_change == pytest.approx(math.expm1(1.0))
+    assert not far.passes(QualityGate(min_positions=4))
+    bad = compare(3, ref, _preds([1, 2, 3, 4], [800.0, 800.0, 800.0, math.inf]))
+    assert bad.perplexity_change == math.inf and not bad.passes(QualityGate(min_positions=4))
+    # stored before the NLLs were kept: None, and an overflow reads as before (refused)
+    assert GateResult(3, 1000, 1.0, math.inf, math.inf).perplexity_change == math.inf
+
+
 def test_predictions_are_each_rows_argmax_and_next_token_nll() -> None:
     logits = torch.tensor([[0.0, 2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     p = predictions(logits, [1, 2])  # the third row has no next token

@@ -47,7 +47,7 @@ from service.worker.quantization.quality_gate import GateResult, QualityGate
 
 log = logging.getLogger(__name__)
 
-GATE_CACHE_VERSION = 1
+GATE_CACHE_VERSION = 2
 """Bumped when the stored form or the meaning of a verdict changes."""
 
 def _source_digest() -> bytes:

@@ -97,35 +97,64 @@ class QualityGate:
 @dataclass(frozen=True)
 class GateResult:
     """One bucket's comparison: top-1 agreement over `positions` predictions, and the
-    perplexity of the text's next tokens under the reference and the candidate."""
+    perplexity of the text's next tokens under the reference and the candidate (inf where
+    exp(mean NLL) overflows a float, as on random-weight files), with the mean NLLs (nats)
+    themselves: the perplexity ratio is exp of their difference, finite where the
+    perplexities are not. Results stored before the NLLs were kept have them None."""
 
     bucket: int
     positions: int
     top1: float
     perplexity_ref: float
     perplexity: float
+    nll_ref: float | None = None
+    nll: float | None = None
 
     @property
     def perplexity_change(self) -> float:
-        """(ppl - ppl_ref) / ppl_ref; inf when either is not finite."""
-        if not (math.isfinite(self.perplexity) and math.isfinite(self.perplexity_ref)):
-            return math.inf
-        return (self.perplexity - self.perplexity_ref) / self.perplexity_ref
+        """(ppl - ppl_ref) / ppl_ref, from the mean NLLs where a perplexity overflows; inf
+        when neither gives a finite figure."""
+        if math.isfinite(self.perplexity) and math.isfinite(self.perplexity_ref):
+            return (self.perplexity - self.perplexity_ref) / self.perplexity_ref
+        d = self._nll_difference()
+        if d is not None:
+            return math.expm1(d) if d < 700 else math.inf
+        return math.inf
+
+    def _nll_difference(self) -> float | None:
+        """nll - nll_ref where both are kept and finite, else None."""
+        if self.nll is None or self.nll_ref is None:
+            return None
+        if not (math.isfinite(self.nll) and math.isfinite(self.nll_ref)):
+            return None
+        return self.nll - self.nll_ref
 
     def passes(self, gate: QualityGate = QualityGate()) -> bool:
         return (self.positions >= gate.min_positions and self.top1 >= gate.min_top1
                 and abs(self.perplexity_change) <= gate.max_perplexity_change)
 
     def describe(self) -> str:
-        """E.g. "rows 181+: top-1 99.8% of 1023, perplexity 12.41 vs 12.4 (+0.08%)"."""
-        return (f"rows {bucket_rows(self.bucket)}: top-1 {100 * self.top1:.1f}% of "
-                f"{self.positions}, perplexity {self.perplexity:.5g} vs "
-                f"{self.perplexity_ref:.5g} ({100 * self.perplexity_change:+.2f}%)")
+        """E.g. "rows 181+: top-1 99.8% of 1023, perplexity 12.41 vs 12.4 (+0.08%)"; where a
+        perplexity overflows, the mean NLLs: "..., mean NLL 812.3 vs 812.1 nats (perplexity
+        +22.14%)"."""
+        head = (f"rows {bucket_rows(self.bucket)}: top-1 {100 * self.top1:.1f}% of "
+                f"{self.positions}")
+        if (math.isfinite(self.perplexity) and math.isfinite(self.perplexity_ref)) or \
+                self._nll_difference() is None:
+            return (f"{head}, perplexity {self.perplexity:.5g} vs {self.perplexity_ref:.5g} "
+                    f"({100 * self.perplexity_change:+.2f}%)")
+        return (f"{head}, mean NLL {self.nll:.5g} vs {self.nll_ref:.5g} nats (perplexity "
+                f"{100 * self.perplexity_change:+.2f}%)")
+
+
+def mean_nll(p: Predictions) -> float:
+    """The mean NLL (nats) of the predictions' next tokens; NaN or inf as it comes."""
+    return float(p.nll.mean())
 
 
 def perplexity(p: Predictions) -> float:
     """exp(mean NLL); inf when it is not finite."""
-    nll = float(p.nll.mean())
+    nll = mean_nll(p)
     return math.exp(nll) if math.isfinite(nll) and nll < 700 else math.inf
 
 
@@ -136,7 +165,8 @@ def compare(bucket: int, ref: Predictions, got: Predictions) -> GateResult:
     if ref.top1.shape != got.top1.shape or ref.top1.numel() == 0:
         raise ValueError(f"predictions of {ref.top1.numel()} and {got.top1.numel()} positions")
     agree = float((ref.top1 == got.top1).double().mean())
-    return GateResult(bucket, ref.top1.numel(), agree, perplexity(ref), perplexity(got))
+    return GateResult(bucket, ref.top1.numel(), agree, perplexity(ref), perplexity(got),
+                      mean_nll(ref), mean_nll(got))
 
 
 def _is_bf16(name: str) -> bool:
