@@ -431,6 +431,8 @@ inline void tile_q8(const Problem& pb, const float* x, const float* xsum, int64_
 // bits over the same Q6_K blocks, whose mins are 0). The packed lines of a block come in
 // threes per quad of k (kQ6Lines): nibbles of pairs 2j and 2j + 1, then the quad's high bits.
 constexpr int64_t kQ6Lines = 3;
+// q6_k's group of 16 k (kquant_args_ok) in quads.
+constexpr int64_t kQ6GroupQuads = 4;
 
 // q - 32 of 16 channels at k = 4j .. 4j + 3 (q[i]: k = 4j + i, int8) from the quad's lines
 // (l: the block's line 3j, at the panel's 16 bytes): byte arithmetic on 128-bit registers,
@@ -1312,6 +1314,29 @@ inline void store_row16(const Problem& pb, int64_t p0, int64_t m, const __m256 (
   }
 }
 
+// The sums of two panels held as quarters (s0..s3: channels 0-3, 4-7, 8-11, 12-15 of panel
+// p in lane 0 and of panel p + 1 in lane 1, as unpacking byte pairs with zero leaves them) put
+// in channel order: lo[0], lo[1] panel p's channels 0-7, 8-15; hi the same of panel p + 1.
+inline void quarters_to_panels(__m256i s0, __m256i s1, __m256i s2, __m256i s3, __m256i (&lo)[2],
+                               __m256i (&hi)[2]) {
+  lo[0] = _mm256_permute2x128_si256(s0, s1, 0x20);
+  lo[1] = _mm256_permute2x128_si256(s2, s3, 0x20);
+  hi[0] = _mm256_permute2x128_si256(s0, s1, 0x31);
+  hi[1] = _mm256_permute2x128_si256(s2, s3, 0x31);
+}
+
+// Row 0's float steps of group g over the four panels of the block holding p0 (s: each
+// panel's sums in channel order), the one-row block kernels alike.
+template <int Fmt>
+inline void block_step16(const Problem& pb, const Act16& a, int64_t p0, int64_t g,
+                         const __m256i (&s)[4][2], __m256 (&tot)[4][2]) {
+  for (int c = 0; c < 4; ++c) {
+    Scales16 sc;
+    panel_scales16<Fmt>(pb, p0 + c, g, sc);
+    group_step16<Fmt>(pb, a, 0, g, sc, s[c][0], s[c][1], tot[c][0], tot[c][1]);
+  }
+}
+
 // One row of a 4-bit x16 call on AVX2 (q4_1, q4_0, q4_k): a 64-channel block, tile16<Fmt, 1,
 // 4>'s integer sums and float steps (group_step16), with the k pairs walked by one pointer
 // (each pair of the block is one 64-byte line: the four panels' 16 bytes), each half block's
@@ -1353,20 +1378,44 @@ void gemv16_block(const Problem& pb, const Act16& a, int64_t b) {
         s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi16(lo1, hi1), xp));
         s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi16(lo1, hi1), xp));
       }
-      s[2 * h][0] = s0;
-      s[2 * h][1] = s1;
-      s[2 * h + 1][0] = s2;
-      s[2 * h + 1][1] = s3;
+      // pairs' sums (channels 0-3 | 8-11 and 4-7 | 12-15) in channel order
+      s[2 * h][0] = _mm256_permute2x128_si256(s0, s1, 0x20);
+      s[2 * h][1] = _mm256_permute2x128_si256(s0, s1, 0x31);
+      s[2 * h + 1][0] = _mm256_permute2x128_si256(s2, s3, 0x20);
+      s[2 * h + 1][1] = _mm256_permute2x128_si256(s2, s3, 0x31);
     }
     w += pb.group * 32;  // the group's pb.group / 2 lines
-    for (int c = 0; c < 4; ++c) {  // pairs' sums: channels 0-3 | 8-11 and 4-7 | 12-15
-      Scales16 sc;
-      panel_scales16<Fmt>(pb, p0 + c, g, sc);
-      group_step16<Fmt>(pb, a, 0, g, sc, _mm256_permute2x128_si256(s[c][0], s[c][1], 0x20),
-                        _mm256_permute2x128_si256(s[c][0], s[c][1], 0x31), tot[c][0], tot[c][1]);
-    }
+    block_step16<Fmt>(pb, a, p0, g, s, tot);
   }
   store_row16(pb, p0, 0, tot);
+}
+
+// A quad of q6_k's k for two panels (l: the quad's first line at the half block's 32 bytes)
+// as vpmaddwd's word pairs: o[0..3] pairs (k, k + 1), o[4..7] pairs (k + 2, k + 3), each
+// four registers of quarters (channels 0-3, 4-7, 8-11, 12-15; panel p in lane 0, p + 1 in
+// lane 1). q6_quad's byte arithmetic on 256-bit registers, q in [0, 63] (no offset), byte
+// pairs widened by unpacking with zero.
+inline void q6_quad_pairs(const uint8_t* l, __m256i (&o)[8]) {
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
+  const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 64));
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 128));
+  const auto six = [&](__m256i low, __m256i high) {  // low & 15 | high & 0x30
+    return _mm256_or_si256(_mm256_and_si256(low, m0f), _mm256_and_si256(high, m30));
+  };
+  const __m256i q0 = six(n0, _mm256_slli_epi16(hb, 4));
+  const __m256i q1 = six(_mm256_srli_epi16(n0, 4), _mm256_slli_epi16(hb, 2));
+  const __m256i q2 = six(n1, hb);
+  const __m256i q3 = six(_mm256_srli_epi16(n1, 4), _mm256_srli_epi16(hb, 2));
+  const __m256i p01[2] = {_mm256_unpacklo_epi8(q0, q1), _mm256_unpackhi_epi8(q0, q1)};
+  const __m256i p23[2] = {_mm256_unpacklo_epi8(q2, q3), _mm256_unpackhi_epi8(q2, q3)};
+  for (int i = 0; i < 2; ++i) {
+    o[2 * i] = _mm256_unpacklo_epi8(p01[i], zero);
+    o[2 * i + 1] = _mm256_unpackhi_epi8(p01[i], zero);
+    o[4 + 2 * i] = _mm256_unpacklo_epi8(p23[i], zero);
+    o[4 + 2 * i + 1] = _mm256_unpackhi_epi8(p23[i], zero);
+  }
 }
 
 // The first `rows` rows' sums of qx over each weight group, [rows, groups] (q6_k's few-row
@@ -1393,70 +1442,43 @@ void gemv16_q6k_block(const Problem& pb, const Act16& a, const int32_t* gsum, in
   const int64_t p0 = 4 * b, lines = pb.K / 4 * kQ6Lines;
   const uint8_t* w = static_cast<const uint8_t*>(pb.w) + at(p0, lines, 0);
   const int16_t* qx = a.q.data();
-  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  const __m256i zero = _mm256_setzero_si256();
   __m256 tot[4][2];
   for (int c = 0; c < 4; ++c) tot[c][0] = tot[c][1] = _mm256_setzero_ps();
-  const int64_t quads = pb.group / 4;  // a group's quads: 3 lines each
   for (int64_t g = 0; g < pb.groups; ++g) {
     prefetch_scales16<kQ6K>(pb, p0, g + kGemv16ScaleGroupsAhead);
     const __m256i off = _mm256_set1_epi32(32 * gsum[g]);
     __m256i s[4][2];  // panel c's sums: channels 0-7, 8-15
     for (int h = 0; h < 2; ++h) {  // panels 2h, 2h + 1: lanes 0 and 1 of each register
-      __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;  // channels 0-3, 4-7, 8-11, 12-15
+      __m256i q[4];  // quarters: channels 0-3, 4-7, 8-11, 12-15
+      for (auto& v : q) v = _mm256_setzero_si256();
       const uint8_t* l = w + 32 * h;
-      for (int64_t j = 0; j < quads; ++j, l += kQ6Lines * 64) {
+      for (int64_t j = 0; j < kQ6GroupQuads; ++j, l += kQ6Lines * 64) {
         if (h == 0)
           for (int i = 0; i < kQ6Lines; ++i) __builtin_prefetch(l + kGemvPrefetchBytes + 64 * i);
-        const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
-        const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 64));
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 128));
-        const auto six = [&](__m256i low, __m256i high) {  // low & 15 | high & 0x30
-          return _mm256_or_si256(_mm256_and_si256(low, m0f), _mm256_and_si256(high, m30));
-        };
-        const __m256i q0 = six(n0, _mm256_slli_epi16(hb, 4));
-        const __m256i q1 = six(_mm256_srli_epi16(n0, 4), _mm256_slli_epi16(hb, 2));
-        const __m256i q2 = six(n1, hb);
-        const __m256i q3 = six(_mm256_srli_epi16(n1, 4), _mm256_srli_epi16(hb, 2));
+        __m256i o[8];
+        q6_quad_pairs(l, o);
         const int64_t k = g * pb.group + 4 * j;
         int32_t pair;
         std::memcpy(&pair, qx + k, 4);
         const __m256i x01 = _mm256_set1_epi32(pair);
         std::memcpy(&pair, qx + k + 2, 4);
         const __m256i x23 = _mm256_set1_epi32(pair);
-        const __m256i pa = _mm256_unpacklo_epi8(q0, q1), pb01 = _mm256_unpackhi_epi8(q0, q1);
-        const __m256i pc = _mm256_unpacklo_epi8(q2, q3), pd = _mm256_unpackhi_epi8(q2, q3);
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(pa, zero), x01));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(pa, zero), x01));
-        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(pb01, zero), x01));
-        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(pb01, zero), x01));
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_unpacklo_epi8(pc, zero), x23));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_unpackhi_epi8(pc, zero), x23));
-        s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_unpacklo_epi8(pd, zero), x23));
-        s3 = _mm256_add_epi32(s3, _mm256_madd_epi16(_mm256_unpackhi_epi8(pd, zero), x23));
+        for (int i = 0; i < 4; ++i)
+          q[i] = _mm256_add_epi32(q[i], _mm256_add_epi32(_mm256_madd_epi16(o[i], x01),
+                                                         _mm256_madd_epi16(o[4 + i], x23)));
       }
-      s0 = _mm256_sub_epi32(s0, off);
-      s1 = _mm256_sub_epi32(s1, off);
-      s2 = _mm256_sub_epi32(s2, off);
-      s3 = _mm256_sub_epi32(s3, off);
-      s[2 * h][0] = _mm256_permute2x128_si256(s0, s1, 0x20);
-      s[2 * h][1] = _mm256_permute2x128_si256(s2, s3, 0x20);
-      s[2 * h + 1][0] = _mm256_permute2x128_si256(s0, s1, 0x31);
-      s[2 * h + 1][1] = _mm256_permute2x128_si256(s2, s3, 0x31);
+      for (auto& v : q) v = _mm256_sub_epi32(v, off);
+      quarters_to_panels(q[0], q[1], q[2], q[3], s[2 * h], s[2 * h + 1]);
     }
-    w += quads * kQ6Lines * 64;
-    for (int c = 0; c < 4; ++c) {
-      Scales16 sc;
-      panel_scales16<kQ6K>(pb, p0 + c, g, sc);
-      group_step16<kQ6K>(pb, a, 0, g, sc, s[c][0], s[c][1], tot[c][0], tot[c][1]);
-    }
+    w += kQ6GroupQuads * kQ6Lines * 64;
+    block_step16<kQ6K>(pb, a, p0, g, s, tot);
   }
   store_row16(pb, p0, 0, tot);
 }
 
 // Two or three rows of a q6_k x16 call on AVX2: half a block (panels p0, p0 + 1), tile16<kQ6K,
 // R, 2>'s integer sums and float steps (group_step16). Each group's word pairs are formed once
-// (a quad of k for both panels at once, as gemv16_q6k_block forms them) into a buffer in L1
+// (a quad of k for both panels at once, as q6_quad_pairs forms them) into a buffer in L1
 // that every row reads, where tile16 formed them from each panel's 128-bit loads (q6_pair).
 // gsum: [M, groups], each row's sum of qx per weight group. Measured on Zen 3 (AVX2, 2
 // threads, 8 [2048 x 8192] weights and a [49152 x 2048] LM head streamed, both builds in one
@@ -1581,17 +1603,10 @@ void gemv16_q5k_block(const Problem& pb, const Act16& a, int64_t b) {
         pair(2, hb, _mm256_srli_epi16(hb, 1));
         pair(3, _mm256_srli_epi16(hb, 2), _mm256_srli_epi16(hb, 3));
       }
-      s[2 * h][0] = _mm256_permute2x128_si256(s0, s1, 0x20);
-      s[2 * h][1] = _mm256_permute2x128_si256(s2, s3, 0x20);
-      s[2 * h + 1][0] = _mm256_permute2x128_si256(s0, s1, 0x31);
-      s[2 * h + 1][1] = _mm256_permute2x128_si256(s2, s3, 0x31);
+      quarters_to_panels(s0, s1, s2, s3, s[2 * h], s[2 * h + 1]);
     }
     w += octets * kQ5Lines * 64;
-    for (int c = 0; c < 4; ++c) {
-      Scales16 sc;
-      panel_scales16<kQ5K>(pb, p0 + c, g, sc);
-      group_step16<kQ5K>(pb, a, 0, g, sc, s[c][0], s[c][1], tot[c][0], tot[c][1]);
-    }
+    block_step16<kQ5K>(pb, a, p0, g, s, tot);
   }
   store_row16(pb, p0, 0, tot);
 }
