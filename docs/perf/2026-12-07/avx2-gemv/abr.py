@@ -4,30 +4,40 @@ against BASE's, in one process, taking turns; every output checked equal first. 
 results.txt here.
 
 usage: BASE=/path/to/older/checkout python abr.py [ROUNDS]   (from this checkout's root)"""
-import os, sys, time, statistics, torch, pathlib
-ROOT = pathlib.Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "docs/perf/2026-12-06/kquant-tiles"))
-os.environ.setdefault("TREE", str(ROOT))
-import kernels.quant_linear_cpu as qlc
-from ab import weight
-from kernels.cpu_build import CppKernel, KernelLibrary
-base_src = pathlib.Path(os.environ["BASE"]) / "kernels/csrc/quant_linear_cpu.cpp"
-k = qlc.VARIANTS["avx2"]
-qlc.VARIANTS["base"] = CppKernel("quant_linear_cpu-avx2base", base_src, k.cxx_flags, k.requires)
-qlc._LIBRARIES["base"] = KernelLibrary(qlc.VARIANTS["base"], qlc._setup)
-torch.manual_seed(0)
-ws = [(weight("q6_kx16", 2048, 8192), 8192) for _ in range(8)] + [(weight("q6_kx16", 49152, 2048), 2048)]
-mb = sum(p.data.numel() for p, _ in ws) / 1e6
-for rows in (2, 3):
-    xs = {8192: torch.randn(rows, 8192), 2048: torch.randn(rows, 2048)}
-    for p, kk in ws:
-        assert torch.equal(qlc.quant_linear(xs[kk], p, "avx2"), qlc.quant_linear(xs[kk], p, "base"))
-    res = {"avx2": [], "base": []}
-    for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 10):
-        for isa in (("base", "avx2") if r % 2 else ("avx2", "base")):
-            t = time.perf_counter()
-            for p, kk in ws: qlc.quant_linear(xs[kk], p, isa)
-            res[isa].append((time.perf_counter() - t) * 1e3)
-    print(f"{rows} rows, q6_k x16, {mb:.0f} MB (8 ffn_down [2048 x 8192] + LM head [49152 x 2048]): "
-          f"base median {statistics.median(res['base']):.2f} ms, this {statistics.median(res['avx2']):.2f} ms; "
-          "ratios " + " ".join(f"{a/b:.2f}" for a, b in zip(res['avx2'], res['base'])))
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from abx import qlc, weight  # noqa: E402  (abx registers BASE's build as the isa "base")
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    torch.manual_seed(0)
+    ws = [(weight("q6_kx16", 2048, 8192), 8192) for _ in range(8)]
+    ws.append((weight("q6_kx16", 49152, 2048), 2048))
+    mb = sum(p.data.numel() for p, _ in ws) / 1e6
+    for rows in (2, 3):
+        xs = {8192: torch.randn(rows, 8192), 2048: torch.randn(rows, 2048)}
+        for p, k in ws:
+            assert torch.equal(qlc.quant_linear(xs[k], p, "avx2"),
+                               qlc.quant_linear(xs[k], p, "base"))
+        res: dict[str, list[float]] = {"avx2": [], "base": []}
+        for r in range(rounds):
+            for isa in (("base", "avx2") if r % 2 else ("avx2", "base")):
+                t = time.perf_counter()
+                for p, k in ws:
+                    qlc.quant_linear(xs[k], p, isa)
+                res[isa].append((time.perf_counter() - t) * 1e3)
+        print(f"{rows} rows, q6_k x16, {mb:.0f} MB (8 ffn_down [2048 x 8192] + LM head "
+              f"[49152 x 2048]): base median {statistics.median(res['base']):.2f} ms, this "
+              f"{statistics.median(res['avx2']):.2f} ms; ratios "
+              + " ".join(f"{a / b:.2f}" for a, b in zip(res["avx2"], res["base"])))
+
+
+if __name__ == "__main__":
+    main()
