@@ -80,13 +80,55 @@ def test_integers_without_bounds_get_fifteen_digits_at_most():
 
     schema = {"type": "object", "properties": {
         "n": {"type": "integer"}, "k": {"type": "integer", "minimum": 0},
-        "x": {"type": "number"}}}
+        "e": {"type": "integer", "enum": [1, 2]}}}
     out = close_objects(schema)
     assert out["properties"]["n"] == {"type": "integer", "minimum": -INTEGER_BOUND,
                                       "maximum": INTEGER_BOUND}
     assert out["properties"]["k"] == {"type": "integer", "minimum": 0, "maximum": INTEGER_BOUND}
-    assert out["properties"]["x"] == {"type": "number"} and "minimum" not in schema["properties"]["n"]
+    assert out["properties"]["e"] == {"type": "integer", "enum": [1, 2]}
+    assert "minimum" not in schema["properties"]["n"]
     assert len(str(INTEGER_BOUND)) == 15
+
+
+def test_numbers_get_ten_digits_after_the_point_unless_their_schema_says_more():
+    from service.engine.constraints.grammar import FRACTION_DIGITS, INTEGER_BOUND, close_objects
+
+    step = 10.0 ** -FRACTION_DIGITS
+    assert close_objects({"type": "number"}) == {
+        "type": "number", "minimum": -INTEGER_BOUND, "maximum": INTEGER_BOUND, "multipleOf": step}
+    assert close_objects({"type": "number", "minimum": 0, "maximum": 10}) == {
+        "type": "number", "minimum": 0, "maximum": 10, "multipleOf": step}
+    assert close_objects({"type": "number", "multipleOf": 0.5})["multipleOf"] == 0.5
+    # a bound finer than the step keeps the schema's own precision
+    assert "multipleOf" not in close_objects({"type": "number", "exclusiveMinimum": 1e-12})
+    assert "multipleOf" in close_objects({"type": "number", "exclusiveMaximum": 1e20})
+    assert close_objects({"type": "number", "const": 2.5}) == {"type": "number", "const": 2.5}
+
+
+@pytest.mark.parametrize(("schema", "text", "valid"), [
+    ({"type": "number", "minimum": 0, "maximum": 10}, "7." + "1" * 10, True),
+    ({"type": "number", "minimum": 0, "maximum": 10}, "7." + "1" * 11, False),
+    ({"type": "number", "minimum": 0, "maximum": 10}, "0.5", True),
+    ({"type": "number"}, "-3.25", True),
+    ({"type": "number"}, "-" + "9" * 15, True),
+    ({"type": "number"}, "9" * 14 + ".5", True),
+    ({"type": "number"}, "9" * 16, False),
+    ({"type": "number", "exclusiveMinimum": 0}, "0.0000000001", True),
+])
+def test_number_bounds_compile_and_hold_in_the_matcher(hf_tokenizer, schema, text, valid):
+    """What llguidance makes of the closed schema, fed one character at a time."""
+    import llguidance
+
+    from service.engine.constraints.grammar import GrammarSource, close_objects
+
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(hf_tokenizer, len(hf_tokenizer), [eos])
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        close_objects(schema), overrides={"whitespace_flexible": False})
+    matcher = compiler.compile_sync(GrammarSource(grammar, "$"))
+    fed = all(matcher.consume_tokens(hf_tokenizer.encode(ch, add_special_tokens=False))
+              for ch in text)
+    assert (fed and matcher.is_accepting()) == valid, matcher.get_error()
 
 
 def test_generic_answer_may_end_at_eos_and_escapes_are_json(hf_tokenizer):
