@@ -2043,11 +2043,22 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
 // strip that every tile reads (fewer than that: each tile unpacks them from the packed bytes).
 constexpr int64_t kAct16StripRows = 12;
 
+// q5_k's and q6_k's pairs cost about 10 vector instructions each to unpack (the nibble
+// formats 4): from this many rows on (two tiles) theirs are unpacked once into the strip.
+// Measured on Zen 3 (AVX2, 2 threads, in one process against per-tile unpacking, every
+// output equal): [8192 x 2048] in cache, q6_k 0.75-0.78x the time at 7-11 rows, q5_k
+// 0.67-0.73x; [2048 x 8192] 0.85-0.89x and 0.65-0.76x at 8 and 11; [4096 x 14336] (an 8B
+// ffn_down, a 448 KB strip) 0.81-0.83x and 0.67-0.68x at 7 and 8. q4_k gained 2-6% and q8_0
+// lost 11-14% (its strip reads twice its packed bytes): they keep kAct16StripRows.
+constexpr int64_t kAct16EarlyStripRows = 7;
+
+constexpr bool act16_strip_early(int fmt) { return fmt == kQ5K || fmt == kQ6K; }
+
 template <int Fmt>
 void rows16(const Problem& pb, const Act16& a, int64_t p, int64_t m0, int64_t m1,
             std::vector<__m256i>& buf) {
   const __m256i* strip = nullptr;
-  if (m1 - m0 >= kAct16StripRows) {
+  if (m1 - m0 >= (act16_strip_early(Fmt) ? kAct16EarlyStripRows : kAct16StripRows)) {
     buf.resize(static_cast<size_t>(pb.K));
     for (int64_t k = 0; k < pb.K; k += 2) {  // in channel order: no permute per row and group
       __m256i lo, hi;

@@ -246,9 +246,10 @@ def test_packed_sizes() -> None:
 
 # (base format, bound on the relative error against the fp32-activation product, extra row
 # counts) per activation-quantizing format: x8's tiles are 4 / 2 / 1 rows; x16's 6 down to 1,
-# in work items of 48 rows, with a strip of unpacked weights from 12 rows (1 row: whole
-# blocks; 2 and 3 rows: half blocks); x16 on a CPU with AVX512-VNNI: whole-block tiles of 4
-# rows down to 1 below 8 rows, half-block tiles of 6 down to 1 from 8, items of 48 rows.
+# in work items of 48 rows, with a strip of unpacked weights from 12 rows (AVX2's q5_k and
+# q6_k: from 7; 1 row: whole blocks; 2 and 3 rows: half blocks); x16 on a CPU with
+# AVX512-VNNI: whole-block tiles of 4 rows down to 1 below 8 rows, half-block tiles of 6 down
+# to 1 from 8, items of 48 rows.
 ACT_CASES = {**{f: (base, 0.02, [2, 3, 5, 9]) for f, base in ACT8_FORMATS.items()},
              **{f: (base, 1e-4, [2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 47, 48, 49, 97])
                 for f, base in ACT16_FORMATS.items()}}
@@ -487,7 +488,7 @@ def test_k_formats_refuse_bad_super_blocks(isa) -> None:
 
 # ---- K-quant weights times int16 activations (q4_kx16, i8_kx16) --------------------------
 
-K_ACT16_ROWS = ROWS + [2, 3, 4, 5, 6, 8, 9, 12, 13, 47, 48, 49, 97]
+K_ACT16_ROWS = ROWS + [2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 47, 48, 49, 97]
 """Every tile, item and strip edge of the x16 kernels (see ACT_CASES)."""
 
 
