@@ -32,23 +32,23 @@ H, F, KV, V, LAYERS = 2048, 8192, 512, 49152, 16
 MORE_BITS = {0, 1, 4, 7, 10, 13, 14, 15}  # llama.cpp's use_more_bits layers of 16
 
 
-def step_weights() -> list:
+def step_weights(lo: str = "q4_kx16") -> list:
+    """(weight, K) of each call of a 1B step: `lo` layers (a Q4_K_M file's q4_k, or q5_k for
+    Q5_K_M), Q6_K in the use_more_bits layers' attn_v / ffn_down and the LM head."""
     torch.manual_seed(0)
     ws = []
     for layer in range(LAYERS):
-        hi = "q6_kx16" if layer in MORE_BITS else "q4_kx16"
-        ws += [(weight("q4_kx16", H, H), H), (weight("q4_kx16", KV, H), H),
-               (weight(hi, KV, H), H), (weight("q4_kx16", H, H), H),
-               (weight("q4_kx16", F, H), H), (weight("q4_kx16", F, H), H),
+        hi = "q6_kx16" if layer in MORE_BITS else lo
+        ws += [(weight(lo, H, H), H), (weight(lo, KV, H), H), (weight(hi, KV, H), H),
+               (weight(lo, H, H), H), (weight(lo, F, H), H), (weight(lo, F, H), H),
                (weight(hi, H, F), F)]
     return ws + [(weight("q6_kx16", V, H), H)]
 
 
-def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    ws = step_weights()
-    xs = {H: torch.randn(1, H), F: torch.randn(1, F)}
-    mb = sum(p.data.numel() * p.data.element_size() for p, _ in ws) / 1e6
+def compare(ws: list, rows: int, rounds: int) -> None:
+    """The calls of `ws` on `rows` rows through both builds (outputs checked equal first),
+    taking turns for `rounds` rounds; prints best, median and the round-by-round ratios."""
+    xs = {H: torch.randn(rows, H), F: torch.randn(rows, F)}
 
     def step(isa: str) -> float:
         t = time.perf_counter()
@@ -62,12 +62,19 @@ def main() -> None:
     for r in range(rounds):
         for isa in (("base", "avx2") if r % 2 else ("avx2", "base")):
             res[isa].append(step(isa))
-    print(f"{len(ws)} one-row calls, {mb:.0f} MB of weight integers a step")
     for isa, name in (("base", "base"), ("avx2", "this checkout")):
         v = res[isa]
         print(f"{name}: best {min(v):.2f} ms, median {statistics.median(v):.2f} ms")
     print("this / base, round by round:",
           " ".join(f"{a / b:.2f}" for a, b in zip(res["avx2"], res["base"])))
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    ws = step_weights()
+    mb = sum(p.data.numel() * p.data.element_size() for p, _ in ws) / 1e6
+    print(f"{len(ws)} one-row calls, {mb:.0f} MB of weight integers a step")
+    compare(ws, 1, rounds)
 
 
 if __name__ == "__main__":
