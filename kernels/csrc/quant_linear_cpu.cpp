@@ -1478,7 +1478,7 @@ void gemv16_q6k_block(const Problem& pb, const Act16& a, const int32_t* gsum, in
 
 // Two or three rows of a q6_k x16 call on AVX2: half a block (panels p0, p0 + 1), tile16<kQ6K,
 // R, 2>'s integer sums and float steps (group_step16). Each group's word pairs are formed once
-// (a quad of k for both panels at once, as q6_quad_pairs forms them) into a buffer in L1
+// (a quad of k for both panels at once, by q6_quad_pairs) into a buffer in L1
 // that every row reads, where tile16 formed them from each panel's 128-bit loads (q6_pair).
 // gsum: [M, groups], each row's sum of qx per weight group. Measured on Zen 3 (AVX2, 2
 // threads, 8 [2048 x 8192] weights and a [49152 x 2048] LM head streamed, both builds in one
@@ -1487,7 +1487,6 @@ template <int R>
 void rows16_q6k_half(const Problem& pb, const Act16& a, const int32_t* gsum, int64_t half) {
   const int64_t p0 = 2 * half, lines = pb.K / 4 * kQ6Lines;
   const uint8_t* l = static_cast<const uint8_t*>(pb.w) + at(p0, lines, 0);
-  const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m256i zero = _mm256_setzero_si256();
   const int64_t quads = pb.group / 4;  // 4 for q6_k's groups of 16
   std::vector<__m256i> wp(static_cast<size_t>(quads * 8));  // [quad][8]: (k, k+1) x 4, (k+2, k+3) x 4
@@ -1497,27 +1496,7 @@ void rows16_q6k_half(const Problem& pb, const Act16& a, const int32_t* gsum, int
   for (int64_t g = 0; g < pb.groups; ++g) {
     for (int64_t j = 0; j < quads; ++j, l += kQ6Lines * 64) {
       for (int i = 0; i < kQ6Lines; ++i) __builtin_prefetch(l + kGemvPrefetchBytes + 64 * i);
-      const __m256i n0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l));
-      const __m256i n1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 64));
-      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(l + 128));
-      const auto six = [&](__m256i low, __m256i high) {  // low & 15 | high & 0x30
-        return _mm256_or_si256(_mm256_and_si256(low, m0f), _mm256_and_si256(high, m30));
-      };
-      const __m256i q0 = six(n0, _mm256_slli_epi16(hb, 4));
-      const __m256i q1 = six(_mm256_srli_epi16(n0, 4), _mm256_slli_epi16(hb, 2));
-      const __m256i q2 = six(n1, hb);
-      const __m256i q3 = six(_mm256_srli_epi16(n1, 4), _mm256_srli_epi16(hb, 2));
-      const __m256i pa = _mm256_unpacklo_epi8(q0, q1), pb01 = _mm256_unpackhi_epi8(q0, q1);
-      const __m256i pc = _mm256_unpacklo_epi8(q2, q3), pd = _mm256_unpackhi_epi8(q2, q3);
-      __m256i* o = wp.data() + 8 * j;
-      o[0] = _mm256_unpacklo_epi8(pa, zero);
-      o[1] = _mm256_unpackhi_epi8(pa, zero);
-      o[2] = _mm256_unpacklo_epi8(pb01, zero);
-      o[3] = _mm256_unpackhi_epi8(pb01, zero);
-      o[4] = _mm256_unpacklo_epi8(pc, zero);
-      o[5] = _mm256_unpackhi_epi8(pc, zero);
-      o[6] = _mm256_unpacklo_epi8(pd, zero);
-      o[7] = _mm256_unpackhi_epi8(pd, zero);
+      q6_quad_pairs(l, *reinterpret_cast<__m256i(*)[8]>(wp.data() + 8 * j));
     }
     Scales16 sc[2];
     for (int c = 0; c < 2; ++c) panel_scales16<kQ6K>(pb, p0 + c, g, sc[c]);
