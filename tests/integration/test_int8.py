@@ -13,7 +13,8 @@ import torch
 
 from service.bench.int8_accuracy import all_logits, greedy, leading_agreement, make_runner
 from service.worker.quantization import DenseLinear
-from service.worker.quantization.plan import DispatchLinear
+from service.worker.quantization.choice import FUSION_SLACK
+from service.worker.quantization.plan import BUCKETS, DispatchLinear
 from tests.integration.greedy_prompts import GREEDY_PROMPTS
 
 CLASSES = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -49,11 +50,15 @@ def test_int8_model_follows_its_plan_and_fp32_is_untouched(loaded_model, runners
     assert model.quantization == "int8" and fp32.model.quantization is None
     assert fp32.linear_plan is None and plan is not None and set(plan.choices) == set(CLASSES)
     _check_follows_plan(model, plan)
-    # chosen by measurement: never slower than fp32 where fp32 was timed
+    # chosen by measurement: never slower than fp32 where fp32 was timed, but for a C++
+    # path within FUSION_SLACK of it in the buckets the fused forward serves
     for cls in CLASSES:
         for b, row in enumerate(plan.timings_ms[cls]):
             if row:  # an untimed bucket (the LM head's 512) takes the bucket below's choice
-                assert row[plan.choices[cls][b]] <= row.get("fp32", float("inf"))
+                name = plan.choices[cls][b]
+                fused = BUCKETS[b] <= plan.fused_rows and name.startswith("cpp-")
+                slack = FUSION_SLACK if fused else 1.0
+                assert row[name] <= slack * row.get("fp32", float("inf")), (cls, b, row)
     # smoothing changes the norm weights of the int8 model only, never the shared checkpoint
     if "qkv" in plan.smoothed_classes():
         assert not torch.equal(model.layers[3].ln1_w, fp32.model.layers[3].ln1_w)

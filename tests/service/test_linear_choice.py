@@ -377,9 +377,9 @@ def test_fusable_buckets_lean_to_cpp_paths_within_the_slack(cpp_ms, expect) -> N
         return {n: (cpp_ms if n == "cpp-x" else 1.0) for n in makers}
 
     plan = choice.choose_plan(LAYERS, paths, "int8", False, timer=timer, fused_rows=16)
-    assert plan.choices["qkv"] == (expect, expect, "fast", "fast")
+    assert plan.choices["qkv"] == (expect, expect, "fast", "fast") and plan.fused_rows == 16
     plain = choice.choose_plan(LAYERS, paths, "int8", False, timer=timer, use_cache=False)
-    assert plain.choices["qkv"] == ("fast",) * 4
+    assert plain.choices["qkv"] == ("fast",) * 4 and plain.fused_rows == 0
 
 
 def _k_layer(types: tuple[str, ...], n: int, k: int):

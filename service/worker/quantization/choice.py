@@ -461,7 +461,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
             _save_cache(timings)
     return LinearPlan(mode, batch_invariant, choices, table, errors,
                       {k: v for k, v in problems.items() if v is not None},
-                      int4_group=int4_group, saturation=saturation)
+                      int4_group=int4_group, saturation=saturation, fused_rows=fused_rows)
 
 
 @contextlib.contextmanager

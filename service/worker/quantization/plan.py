@@ -95,6 +95,8 @@ class LinearPlan:
         layers are made (``without_natives``).
     saturation: class -> int8 path -> relative error per bucket on worst-case inputs
         (``saturation.saturation_errors``); above the mode's bound a path is not chosen.
+    fused_rows: buckets of at most this many rows took a C++ path within
+        ``choice.FUSION_SLACK`` of the fastest (for the fused forward); 0: the fastest.
     """
 
     mode: str
@@ -106,6 +108,7 @@ class LinearPlan:
     int4_group: int | None = None
     natives: Mapping[tuple[int | None, str], BlockWeight] = field(default_factory=dict)
     saturation: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=dict)
+    fused_rows: int = 0
 
     def without_natives(self) -> LinearPlan:
         """The plan without its natives (their unpacked values are not kept once packed)."""
