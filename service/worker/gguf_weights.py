@@ -212,13 +212,14 @@ class RawBlocks:
             start += rows
         return PackedParts(tuple(packed))
 
-    def head_rows(self, rows: int) -> tuple[RawBlocks, torch.Tensor]:
-        """(the first `rows` rows of each part, as one weight; their row indices in this
-        weight [<= rows * parts] int64): a sample that holds every part's type, for the
-        kernel choice's correctness check (the whole layer there cost 1.7 GB of fp32 at the
-        8B shape). Views, no copy."""
+    def head_rows(self, rows: int | Sequence[int]) -> tuple[RawBlocks, torch.Tensor]:
+        """(the first `rows` rows of each part (or rows[i] of part i), as one weight; their
+        row indices in this weight [<= rows * parts] int64): a sample that holds every part's
+        type, for the kernel choice's correctness check (the whole layer there cost 1.7 GB of
+        fp32 at the 8B shape) and its timing of compute-bound buckets. Views, no copy."""
+        per_part = [rows] * len(self.raw) if isinstance(rows, int) else list(rows)
         heads, index, start = [], [], 0
-        for r in self.raw:
+        for r, rows in zip(self.raw, per_part):
             m = min(rows, r.shape[0])
             heads.append(r[:m])
             index.append(torch.arange(start, start + m))

@@ -461,6 +461,48 @@ def test_a_blocks_only_layer_is_checked_on_each_parts_first_rows() -> None:
     assert plan.choices["qkv"][0] == path.name and plan.errors["qkv"][path.name][0] < 1e-6
 
 
+def test_a_timing_sample_keeps_each_parts_share_in_whole_blocks() -> None:
+    from kernels.gguf_pack import dequantize_gguf
+    from service.worker.gguf_weights import BlockWeight, RawBlocks
+    from tests.kernels.test_gguf_pack import random_raw
+    types, rows = ("Q4_K", "Q4_K", "Q6_K"), (2048, 512, 512)
+    raw = tuple(random_raw(t, n, 256, seed=i).numpy() for i, (t, n) in enumerate(zip(types, rows)))
+    bias = torch.randn(sum(rows))
+    lw = choice.LayerWeights(None, bias, native=RawBlocks(types, raw, 256))
+    sample, scale = lw.timing_sample(512)
+    # a sixth of each part, rounded up to whole 64-channel blocks: 384 + 128 + 128
+    assert sample.shape == (640, 256) and sample.native.gguf_types == types
+    assert scale == pytest.approx(3072 / 640)
+    keep = torch.cat([torch.arange(384), 2048 + torch.arange(128), 2560 + torch.arange(128)])
+    want = torch.cat([dequantize_gguf(t, torch.from_numpy(r)) for t, r in zip(types, raw)])
+    assert torch.equal(sample.weight, want[keep]) and torch.equal(sample.bias, bias[keep])
+    assert lw.timing_sample(1536) == (lw, 1.0)  # at most twice the sample: timed whole
+    dense, dense_scale = choice.LayerWeights(want, bias).timing_sample(100)
+    assert torch.equal(dense.weight, want[:128]) and dense_scale == 3072 / 128
+    q = torch.randint(0, 16, (3072, 64), dtype=torch.uint8)
+    d, m = torch.rand(3072, 2).half(), torch.rand(3072, 2).half()
+    blocks = BlockWeight(("Q4_1",), "q4_1", q, d, m)
+    cut, _ = choice.LayerWeights(None, None, native=blocks).timing_sample(512)
+    assert torch.equal(cut.weight, blocks.dequantize()[:512])
+
+
+def test_compute_bound_buckets_are_timed_on_a_sample_and_scaled() -> None:
+    layers = {"gate_up": (torch.randn(3000, 16), torch.randn(3000))}
+    seen: dict[int, int] = {}
+
+    def timer(cls, rows, makers):
+        for make in makers.values():
+            fns = make()
+            seen[rows] = int(fns[0]().shape[1])  # the output channels each call computes
+        return {name: 1.0 for name in makers}
+
+    plan = choice.choose_plan(layers, [_fake("slow")], "int8", False, timer=timer)
+    n = choice.SAMPLE_CHANNELS
+    assert seen == {1: 3000, 16: 3000, 64: n, 512: n}
+    assert [row["slow"] for row in plan.timings_ms["gate_up"]] == \
+        pytest.approx([1.0, 1.0, 3000 / n, 3000 / n])
+
+
 def test_a_layer_in_another_format_than_its_class_keeps_the_chosen_activations() -> None:
     # Q4_K_M: layer 0's qkv is split (a Q6_K v), layer 2's all Q4_K: the plan chosen on layer
     # 0 serves layer 2 with q4_k's own paths, int16 activations where the choice took them

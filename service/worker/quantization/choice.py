@@ -20,7 +20,8 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
 - Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
   timed over copies of the weight that together exceed the last-level cache (as a step
   streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
-  On busy cores, or when the timings contradict themselves (``contradictions``), on one
+  Buckets from 64 rows are compute-bound: timed on a sample of about 512 output channels,
+  scaled to the layer (``SAMPLE_CHANNELS``). On busy cores, or when the timings contradict themselves (``contradictions``), on one
   thread: a two-thread call waits at its barrier for a descheduled thread.
 - Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
   key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
@@ -58,9 +59,21 @@ from service.worker.quantization.saturation import (PROBE_N, needs_probe, probe_
 
 log = logging.getLogger(__name__)
 
-TIMING_VERSION = 2
+TIMING_VERSION = 3
 """Bump when the timing method changes: old cached timings are then not reused."""
 LM_HEAD = "lm_head"
+SAMPLE_FROM_ROWS = 64
+SAMPLE_CHANNELS = 512
+"""Buckets of SAMPLE_FROM_ROWS rows and more are compute-bound (a weight read once serves
+every row), so their cost is the same per output channel: they are timed on a sample of
+about SAMPLE_CHANNELS of the layer's output channels (``LayerWeights.timing_sample``, each
+part in its share) and the time is scaled by N over the sample's N. A path that writes the
+whole weight dequantized every call (``LinearPath.writes_weight``) is timed on enough channels
+that their fp32 copy exceeds twice the last-level cache: on a smaller sample that traffic
+stays in cache (measured on AMD Zen 3 at the 8B shape: 0.5x its whole layer's time at 64 rows,
+0.6-0.9x at 512, where our C++ kernels' samples read 0.9-1.1x). At the 8B shape the 64- and
+512-row timings of the whole layers took 106 of a first start's 130 s of timing (Zen 3).
+Smaller buckets stream the weight from memory and are timed whole."""
 CHECK_ROWS = 8
 CHECK_OUT_ROWS = 256
 """A layer held only as a file's blocks is checked on the first this many output rows of
@@ -367,6 +380,17 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                              f"{cls} {tuple(lw.shape)}: {errors[cls]}; worst-case "
                              f"inputs: {sat}")
 
+    samples: dict[int, tuple[LayerWeights, float]] = {}
+
+    def sample_of(lw: LayerWeights, p: LinearPath) -> tuple[LayerWeights, float]:
+        """(the layer `p` is timed on in a compute-bound bucket, N over its N)."""
+        channels = SAMPLE_CHANNELS
+        if p.writes_weight:  # its fp32 copy of the sample must exceed the LLC, as the layer's
+            channels = max(channels, -(-2 * _llc_bytes() // (4 * lw.shape[1])))
+        if channels not in samples:
+            samples[channels] = lw.timing_sample(channels)
+        return samples[channels]
+
     def decide(threads: int) -> tuple[dict[str, float], dict[str, list[dict[str, float]]],
                                       dict[str, tuple[str, ...]], list[str]]:
         """(timings, table, choices, retimed) with what is not cached timed at `threads`."""
@@ -378,6 +402,7 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
             (n, k), bias, sat = lw.shape, lw.bias, saturation[cls]
             table[cls], picked = [], []
             copies: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+            samples.clear()
             for b, rows in enumerate(BUCKETS):
                 if cls == LM_HEAD and b == len(BUCKETS) - 1:  # one row per sampling sequence
                     table[cls].append({})  # not timed: served as the bucket below
@@ -395,20 +420,28 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                            and keys[p.name] not in timings]
                 if missing:
                     x = torch.randn(rows, k)
+                    sampled = rows >= SAMPLE_FROM_ROWS
 
                     def make(p: LinearPath, x: torch.Tensor = x,
                              lw: LayerWeights = lw) -> list[Callable[[], object]]:
-                        if p.name not in copies:
-                            copies[p.name] = bound_copies(p, lw)
-                        # compute-bound above 16 rows: two copies are enough
-                        fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
+                        if sampled:  # compute-bound: two copies of the sample are enough
+                            fns = bound_copies(p, sample_of(lw, p)[0], target_bytes=1)
+                        else:
+                            if p.name not in copies:
+                                copies[p.name] = bound_copies(p, lw)
+                            # compute-bound above 16 rows: two copies are enough
+                            fns = copies[p.name] if x.shape[0] <= 16 else copies[p.name][:2]
                         return [lambda f=f: f(x) for f in fns]
 
-                    retimed.append(f"{cls} {n}x{k} at {rows} rows")
+                    scales = {p.name: sample_of(lw, p)[1] if sampled else 1.0 for p in missing}
+                    retimed.append(f"{cls} {n}x{k} at {rows} rows"
+                                   + (" (on a sample of its output channels)"
+                                      if any(v != 1.0 for v in scales.values()) else ""))
                     with _num_threads(threads):
                         got = (timer or default_timer)(
                             cls, rows, {p.name: functools.partial(make, p) for p in missing})
-                    timings.update({keys[p.name]: got[p.name] for p in missing})
+                    timings.update({keys[p.name]: got[p.name] * scales[p.name]
+                                    for p in missing})
                 row = {n: timings[k] for n, k in keys.items()}
                 table[cls].append(row)
                 margins = {n: e - bounds[n] for n, e in err.items()}

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,9 @@ INT4_GROUP = 32
 the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit weights
 exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
 measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
+SAMPLE_BLOCK = 64
+"""A timing sample's parts are cut in whole blocks of this many output channels (the C++
+kernels' panel)."""
 ERROR_BOUNDS = {"none": 1e-4, "int8": 0.04, "int4": 0.2, "auto": 1e-4, "auto-a8": 1e-4}
 """Largest relative error ``|y - y_fp32| / |y_fp32|`` (``choice.relative_errors``: random
 rows with an outlier token, through the model's own weight) a path of each mode may show to
@@ -227,6 +231,32 @@ class LayerWeights:
         return LayerWeights(None, None if self.bias is None else self.bias[index],
                             self.int4_group, native=sample)
 
+    def timing_sample(self, channels: int) -> tuple[LayerWeights, float]:
+        """(a layer of about `channels` of this layer's output channels, this layer's N over
+        the sample's): what a compute-bound bucket is timed on (``choice.SAMPLE_FROM_ROWS``),
+        its time then scaled by that ratio. Each part keeps its share of the channels, in
+        whole blocks of SAMPLE_BLOCK, so that every part's block type is timed in about its
+        proportion. (self, 1.0) where N is at most twice `channels`, or the native blocks
+        cannot be cut."""
+        n = self.shape[0]
+        if n <= 2 * channels:
+            return self, 1.0
+        fraction = channels / n
+        native, index = self.native, None
+        head_rows = getattr(native, "head_rows", None)
+        if head_rows is not None:
+            native, index = head_rows([min(r.shape[0], SAMPLE_BLOCK * math.ceil(
+                r.shape[0] * fraction / SAMPLE_BLOCK)) for r in native.raw])
+        else:
+            index = torch.arange(SAMPLE_BLOCK * math.ceil(channels / SAMPLE_BLOCK))
+            if native is not None:  # BlockWeight: one format, rows in order
+                native = dataclasses.replace(native, q=native.q[index], d=native.d[index],
+                                             m=None if native.m is None else native.m[index])
+        weight = None if self._weight is None else self._weight[index]
+        sample = LayerWeights(weight, None if self.bias is None else self.bias[index],
+                              self.int4_group, native=native)
+        return sample, n / sample.shape[0]
+
     @property
     def native_fmt(self) -> str | None:
         """"q4_1", "q4_0", "q8_0", "q4_k", "i8_k", "q6_k", "q5_k", "split" or None (no native
@@ -267,6 +297,9 @@ class LinearPath:
     checkpoint's own blocks only where 16-bit compute is allowed for them (``choice.class_paths``'
     round_blocks: the auto modes on a CPU that computes bf16 in hardware, its bf16 copy of
     the weights fitting in memory, subject to the quality gate, ``quality_gate``).
+    writes_weight: every call writes the whole weight dequantized to fp32 (N x K x 4 bytes,
+    then read back by ``F.linear``): part of its time is that memory traffic, so it is
+    timed on a sample whose fp32 copy exceeds the last-level cache (``choice``).
     """
 
     name: str
@@ -280,6 +313,7 @@ class LinearPath:
     error_bound: float | None = None
     activation_bits: int = 32
     rounds_weights: bool = False
+    writes_weight: bool = False
 
     def accepts(self, lw: LayerWeights) -> bool:
         """Whether this path can serve the layer: a native path needs its blocks (whether a
@@ -364,7 +398,8 @@ def _dequant(fmt: str) -> LinearPath:
     attr = _PACKED[fmt]
     return LinearPath(f"{fmt}-dequant-mm", "auto" if fmt in _NATIVE else fmt, False, False,
                       lambda lw: DequantLinear(getattr(lw, attr), _dequant_isa() or "avx2"),
-                      _dequant_problem, native=fmt if fmt in _NATIVE else None)
+                      _dequant_problem, native=fmt if fmt in _NATIVE else None,
+                      writes_weight=True)
 
 
 PATHS: dict[str, LinearPath] = {p.name: p for p in [
