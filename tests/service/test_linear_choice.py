@@ -488,19 +488,35 @@ def test_a_timing_sample_keeps_each_parts_share_in_whole_blocks() -> None:
 
 def test_compute_bound_buckets_are_timed_on_a_sample_and_scaled() -> None:
     layers = {"gate_up": (torch.randn(3000, 16), torch.randn(3000))}
-    seen: dict[int, int] = {}
+    seen: dict[int, list[int]] = {}
 
-    def timer(cls, rows, makers):
-        for make in makers.values():
-            fns = make()
-            seen[rows] = int(fns[0]().shape[1])  # the output channels each call computes
-        return {name: 1.0 for name in makers}
+    def timer(cls, rows, makers):  # a call costs 1 ms plus 10 ms per 1000 channels
+        out = {}
+        for name, make in makers.items():
+            channels = int(make()[0]().shape[1])  # the output channels each call computes
+            seen.setdefault(rows, []).append(channels)
+            out[name] = 1.0 + channels / 100
+        return out
 
     plan = choice.choose_plan(layers, [_fake("slow")], "int8", False, timer=timer)
-    n = choice.SAMPLE_CHANNELS
-    assert seen == {1: 3000, 16: 3000, 64: n, 512: n}
+    n, b = choice.SAMPLE_CHANNELS, paths.SAMPLE_BLOCK
+    # whole below 64 rows; from 64, the sample and one block, the line through both
+    assert seen == {1: [3000], 16: [3000], 64: [n, b], 512: [n, b]}
     assert [row["slow"] for row in plan.timings_ms["gate_up"]] == \
-        pytest.approx([1.0, 1.0, 3000 / n, 3000 / n])
+        pytest.approx([31.0, 31.0, 31.0, 31.0])
+
+
+def test_a_samples_time_is_scaled_along_the_line_through_two_samples() -> None:
+    assert choice.scaled_ms(2.0, 4.0) == 8.0  # proportional without a smaller sample
+    # 10 ms on a quarter, 5.2 on a tenth: 2 ms fixed, 32 ms a whole layer's channels
+    assert choice.scaled_ms(10.0, 4.0, 5.2, 10.0) == pytest.approx(2 + 32)
+    assert choice.scaled_ms(10.0, 4.0, 12.0, 10.0) == 40.0  # noise: the smaller one slower
+    assert choice.scaled_ms(10.0, 4.0, 1.5, 10.0) == 40.0  # superlinear: no fixed part
+    # a smaller sample as slow as the sample: the fixed part is capped at FIXED_SHARE_MAX
+    cap = choice.FIXED_SHARE_MAX
+    assert choice.scaled_ms(10.0, 4.0, 9.9999, 10.0) == pytest.approx(10 * (cap + (1 - cap) * 4))
+    # too short a smaller sample to read a fixed part from (thread wake-ups): proportional
+    assert choice.scaled_ms(1.0, 4.0, 0.52, 10.0) == 4.0
 
 
 def test_a_layer_in_another_format_than_its_class_keeps_the_chosen_activations() -> None:

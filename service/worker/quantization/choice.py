@@ -20,8 +20,8 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
 - Timing: decode-sized calls are bound by streaming weights from DRAM, so each path is
   timed over copies of the weight that together exceed the last-level cache (as a step
   streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
-  Buckets from 64 rows are compute-bound: timed on a sample of about 512 output channels,
-  scaled to the layer (``SAMPLE_CHANNELS``). On busy cores, or when the timings contradict themselves (``contradictions``), on one
+  Buckets from 64 rows are compute-bound: timed on a sample of about 512 output channels
+  and one of a block a part, scaled to the layer (``SAMPLE_CHANNELS``, ``scaled_ms``). On busy cores, or when the timings contradict themselves (``contradictions``), on one
   thread: a two-thread call waits at its barrier for a descheduled thread.
 - Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
   key = hash of the C++ kernel source, the CPU flags, the torch version and the thread
@@ -49,7 +49,7 @@ from kernels import quant_linear_cpu as qlc
 from kernels.cpu_build import cache_dir, cpu_flags
 from service.worker.quantization.isa import CAP_VARS
 from service.worker.quantization.paths import (BF16_BLOCKS_MIN_ROWS, ERROR_BOUNDS,
-                                               LayerWeights, LinearPath)
+                                               SAMPLE_BLOCK, LayerWeights, LinearPath)
 
 if TYPE_CHECKING:
     from service.worker.gguf_weights import BlockWeight
@@ -67,7 +67,8 @@ SAMPLE_CHANNELS = 512
 """Buckets of SAMPLE_FROM_ROWS rows and more are compute-bound (a weight read once serves
 every row), so their cost is the same per output channel: they are timed on a sample of
 about SAMPLE_CHANNELS of the layer's output channels (``LayerWeights.timing_sample``, each
-part in its share) and the time is scaled by N over the sample's N. A path that writes the
+part in its share) and the time is scaled to the layer's N: a fixed part a call, read off a
+second sample of one block a part (``scaled_ms``), plus a part a channel. A path that writes the
 whole weight dequantized every call (``LinearPath.writes_weight``) is timed on enough channels
 that their fp32 copy exceeds twice the last-level cache: on a smaller sample that traffic
 stays in cache (measured on AMD Zen 3 at the 8B shape: 0.5x its whole layer's time at 64 rows,
@@ -184,6 +185,31 @@ def measure_ms(calls: Mapping[str, Sequence[Callable[[], object]]], *, rounds: i
             lead = min(best[n] for n in alive)
             alive = [n for n in alive if best[n] <= 4 * lead]
     return {n: v * 1e3 for n, v in best.items()}
+
+
+FIXED_SHARE_MAX = 0.25
+"""``scaled_ms`` takes at most this share of a sample's time as the fixed cost of a call
+(measured at the 1B shape on Zen 3: about 17% for a fused qkv's three part calls at 512 rows);
+a noisy smaller sample can suggest more, which would scale too little."""
+LINE_MIN_MS = 1.0
+"""``scaled_ms`` reads the fixed part off a smaller sample only where that takes at least
+this long a call: below it, a thread's wake-up (tens of microseconds, varying) is a large
+share of the call and the line tilts (at 64 rows on Zen 3: 0.6-0.8x the layer's time)."""
+
+
+def scaled_ms(ms: float, scale: float, small_ms: float | None = None,
+              small_scale: float = math.inf) -> float:
+    """A layer's time a call from its time on a sample of its output channels (`ms`; the
+    layer has `scale` times the sample's channels): a fixed part a call (rounding x, starting
+    threads) plus a part a channel, a + (ms - a) x scale. a is read off the line through a
+    second, smaller sample (`small_ms`; the layer has `small_scale` times its channels),
+    kept between 0 and FIXED_SHARE_MAX x ms; without one, with one under LINE_MIN_MS, or
+    with one not faster than the sample (noise), a = 0 (proportional)."""
+    fixed = 0.0
+    if small_ms is not None and small_scale > scale and LINE_MIN_MS <= small_ms < ms:
+        per_channel = (ms - small_ms) / (1 / scale - 1 / small_scale)  # a whole layer's
+        fixed = min(FIXED_SHARE_MAX * ms, max(0.0, ms - per_channel / scale))
+    return fixed + (ms - fixed) * scale
 
 
 def default_timer(cls: str, rows: int,
@@ -382,9 +408,9 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
 
     samples: dict[int, tuple[LayerWeights, float]] = {}
 
-    def sample_of(lw: LayerWeights, p: LinearPath) -> tuple[LayerWeights, float]:
+    def sample_of(lw: LayerWeights, p: LinearPath,
+                  channels: int = SAMPLE_CHANNELS) -> tuple[LayerWeights, float]:
         """(the layer `p` is timed on in a compute-bound bucket, N over its N)."""
-        channels = SAMPLE_CHANNELS
         if p.writes_weight:  # its fp32 copy of the sample must exceed the LLC, as the layer's
             channels = max(channels, -(-2 * _llc_bytes() // (4 * lw.shape[1])))
         if channels not in samples:
@@ -422,10 +448,11 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                     x = torch.randn(rows, k)
                     sampled = rows >= SAMPLE_FROM_ROWS
 
-                    def make(p: LinearPath, x: torch.Tensor = x,
-                             lw: LayerWeights = lw) -> list[Callable[[], object]]:
+                    def make(p: LinearPath, x: torch.Tensor = x, lw: LayerWeights = lw,
+                             channels: int = SAMPLE_CHANNELS) -> list[Callable[[], object]]:
                         if sampled:  # compute-bound: two copies of the sample are enough
-                            fns = bound_copies(p, sample_of(lw, p)[0], target_bytes=1)
+                            fns = bound_copies(p, sample_of(lw, p, channels)[0],
+                                               target_bytes=1)
                         else:
                             if p.name not in copies:
                                 copies[p.name] = bound_copies(p, lw)
@@ -434,14 +461,25 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                         return [lambda f=f: f(x) for f in fns]
 
                     scales = {p.name: sample_of(lw, p)[1] if sampled else 1.0 for p in missing}
+                    by_name = {p.name: p for p in missing}
                     retimed.append(f"{cls} {n}x{k} at {rows} rows"
                                    + (" (on a sample of its output channels)"
                                       if any(v != 1.0 for v in scales.values()) else ""))
+                    # a fixed cost a call (rounding x, starting threads) is read off a
+                    # second, smaller sample (one block a part; not for a path that writes
+                    # its weight: its sample is large)
+                    smaller = {p.name: sample_of(lw, p, SAMPLE_BLOCK)[1] for p in missing
+                               if scales[p.name] != 1.0 and not p.writes_weight}
                     with _num_threads(threads):
                         got = (timer or default_timer)(
                             cls, rows, {p.name: functools.partial(make, p) for p in missing})
-                    timings.update({keys[p.name]: got[p.name] * scales[p.name]
-                                    for p in missing})
+                        small = (timer or default_timer)(
+                            cls, rows, {name: functools.partial(
+                                make, by_name[name], channels=SAMPLE_BLOCK)
+                                for name in smaller}) if smaller else {}
+                    timings.update({keys[p.name]: scaled_ms(
+                        got[p.name], scales[p.name], small.get(p.name),
+                        smaller.get(p.name, math.inf)) for p in missing})
                 row = {n: timings[k] for n, k in keys.items()}
                 table[cls].append(row)
                 margins = {n: e - bounds[n] for n, e in err.items()}
