@@ -506,6 +506,28 @@ def test_compute_bound_buckets_are_timed_on_a_sample_and_scaled() -> None:
         pytest.approx([31.0, 31.0, 31.0, 31.0])
 
 
+def test_a_path_is_offered_from_its_min_rows_unless_it_is_the_only_one() -> None:
+    big_only = LinearPath("big-only", "int8", True, False,
+                          lambda lw: DenseLinear(lw.weight, lw.bias), lambda: None, min_rows=64)
+    calls: list = []
+    plan = choice.choose_plan(LAYERS, [_fake("slow"), big_only], "int8", False,
+                              timer=_timer_of({"slow": 5.0, "big-only": 1.0}, calls))
+    assert plan.choices["qkv"] == ("slow", "slow", "big-only", "big-only")
+    assert ("big-only", "qkv", 16) not in calls and ("big-only", "qkv", 64) in calls
+    alone = choice.choose_plan(LAYERS, [big_only], "int8", False, use_cache=False,
+                               timer=_timer_of({"big-only": 1.0}, []))
+    assert alone.choices["qkv"] == ("big-only",) * 4  # nothing else: offered everywhere
+    assert all(PATHS[n].min_rows == paths.DEQUANT_MIN_ROWS for n in PATHS
+               if n.endswith("-dequant-mm"))
+
+
+def _timer_of(ms: dict, calls: list):
+    def timer(cls, rows, makers):
+        calls.extend((name, cls, rows) for name in makers)
+        return {name: ms[name] for name in makers}
+    return timer
+
+
 def test_a_samples_time_is_scaled_along_the_line_through_two_samples() -> None:
     assert choice.scaled_ms(2.0, 4.0) == 8.0  # proportional without a smaller sample
     # 10 ms on a quarter, 5.2 on a tenth: 2 ms fixed, 32 ms a whole layer's channels

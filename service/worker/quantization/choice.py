@@ -436,12 +436,15 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                     continue
                 err = {n: max(e[0 if rows == 1 else 1], sat[n][b] if n in sat else 0.0)
                        for n, e in errors[cls].items()}
+                within = [p for p in correct[cls] if err[p.name] <= bounds[p.name]]
+                # a path is offered from its min_rows on, unless no other path is left here
+                offered = [p for p in within if rows >= (
+                    BF16_BLOCKS_MIN_ROWS if p.rounds_weights and lw.native is not None
+                    else p.min_rows)] or within
                 keys = {p.name: (f"{p.name}|{n}x{k}|"
                                  f"{'bias' if bias is not None else 'nobias'}|{lw.int4_group}|"
                                  f"{rows}")
-                        for p in correct[cls] if err[p.name] <= bounds[p.name]
-                        and rows >= (BF16_BLOCKS_MIN_ROWS if p.rounds_weights
-                                     and lw.native is not None else p.min_rows)}
+                        for p in offered}
                 missing = [p for p in correct[cls] if p.name in keys
                            and keys[p.name] not in timings]
                 if missing:

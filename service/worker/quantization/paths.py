@@ -15,7 +15,7 @@ A path turns a layer's fp32 weight and bias into a callable ``x [M, K] -> y [M, 
 | ``cpp-split-{avx512,avx2}`` | a fused layer whose parts' blocks differ (Q4_K_M's qkv), each part in its own format | fp32 | yes |
 | ``cpp-{q4_1,q4_0,q8_0}x8-{avx512,avx2}`` | the same blocks, ours, integer dot products | int8 per row and group of 32 | yes |
 | ``cpp-{q4_1,q4_0,q8_0,q4_k,q5_k,i8_k,q6_k,split}x16-{avx512,avx2}`` | the same blocks, ours, ``vpmaddwd`` dot products | int16 per row and group of 32 | yes |
-| ``{int8,int4,q4_1,q4_0,q8_0,q4_k,q5_k,i8_k,q6_k,split}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` | fp32 | no |
+| ``{int8,int4,q4_1,q4_0,q8_0,q4_k,q5_k,i8_k,q6_k,split}-dequant-mm`` | ours, dequantized per call, then ``F.linear`` (from 64 rows) | fp32 | no |
 | ``bf16`` | bf16 ``[out, in]``, ``F.linear`` (AMX / AVX512-BF16 where the CPU has them) | bf16 | no |
 
 Modes: ``none`` (the fp32 oracle: ``F.linear``), ``int8``, ``int4`` (the weights quantized
@@ -79,6 +79,12 @@ INT4_GROUP = 32
 the default SmolLM2-135M GGUF is Q4_1, so groups of 32 give back its own 4-bit weights
 exactly (relative error 0 on every layer but the tied LM head, 0.10 there); groups of 64
 measured 0.08-0.13 (0.10 typical), of 128 0.10-0.16, at the same kernel speed within noise."""
+DEQUANT_MIN_ROWS = 64
+"""The dequant-mm paths are offered from this many rows: below it a call's fp32 copy of the
+weight (written, then read) costs more than the product. Measured at the 8B shape on Zen 3:
+at 1 and 16 rows the [49152 x 4096] LM head's q6_k-dequant-mm took 1.5-2.0 s a call against
+14 and 67 ms for cpp-q6_kx16, gate_up's 437 against 39 ms at 16 rows; timing them cost a first
+start about 10 s."""
 SAMPLE_BLOCK = 64
 """A timing sample's parts are cut in whole blocks of this many output channels (the C++
 kernels' panel)."""
@@ -399,7 +405,7 @@ def _dequant(fmt: str) -> LinearPath:
     return LinearPath(f"{fmt}-dequant-mm", "auto" if fmt in _NATIVE else fmt, False, False,
                       lambda lw: DequantLinear(getattr(lw, attr), _dequant_isa() or "avx2"),
                       _dequant_problem, native=fmt if fmt in _NATIVE else None,
-                      writes_weight=True)
+                      min_rows=DEQUANT_MIN_ROWS, writes_weight=True)
 
 
 PATHS: dict[str, LinearPath] = {p.name: p for p in [
