@@ -21,7 +21,8 @@ without VNNI; our C++ kernels win where weights stream from memory), and by row 
   timed over copies of the weight that together exceed the last-level cache (as a step
   streams every layer), each path's fastest call, the paths taking turns (``measure_ms``).
   Buckets from 64 rows are compute-bound: timed on a sample of about 512 output channels
-  and one of a block a part, scaled to the layer (``SAMPLE_CHANNELS``, ``scaled_ms``). On busy cores, or when the timings contradict themselves (``contradictions``), on one
+  and one of a block a part, scaled to the layer (``SAMPLE_CHANNELS``, ``scaled_ms``). On
+  busy cores, or when the timings contradict themselves (``contradictions``), on one
   thread: a two-thread call waits at its barrier for a descheduled thread.
 - Cache: timings are kept in ``$CONVEYOR_CACHE_DIR/kernels/linear-timings-<key>.json``,
   key = hash of the C++ kernel source, the CPU flags, the torch version and the thread

@@ -84,7 +84,7 @@ DEQUANT_MIN_ROWS = 64
 weight (written, then read) costs more than the product. Measured at the 8B shape on Zen 3:
 at 1 and 16 rows the [49152 x 4096] LM head's q6_k-dequant-mm took 1.5-2.0 s a call against
 14 and 67 ms for cpp-q6_kx16, gate_up's 437 against 39 ms at 16 rows; timing them cost a first
-start about 10 s."""
+start about 8 s."""
 SAMPLE_BLOCK = 64
 """A timing sample's parts are cut in whole blocks of this many output channels (the C++
 kernels' panel)."""
