@@ -219,8 +219,8 @@ class RawBlocks:
         fp32 at the 8B shape) and its timing of compute-bound buckets. Views, no copy."""
         per_part = [rows] * len(self.raw) if isinstance(rows, int) else list(rows)
         heads, index, start = [], [], 0
-        for r, rows in zip(self.raw, per_part):
-            m = min(rows, r.shape[0])
+        for r, want in zip(self.raw, per_part):
+            m = min(want, r.shape[0])
             heads.append(r[:m])
             index.append(torch.arange(start, start + m))
             start += r.shape[0]

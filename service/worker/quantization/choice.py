@@ -465,7 +465,6 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                         return [lambda f=f: f(x) for f in fns]
 
                     scales = {p.name: sample_of(lw, p)[1] if sampled else 1.0 for p in missing}
-                    by_name = {p.name: p for p in missing}
                     retimed.append(f"{cls} {n}x{k} at {rows} rows"
                                    + (" (on a sample of its output channels)"
                                       if any(v != 1.0 for v in scales.values()) else ""))
@@ -478,9 +477,8 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                         got = (timer or default_timer)(
                             cls, rows, {p.name: functools.partial(make, p) for p in missing})
                         small = (timer or default_timer)(
-                            cls, rows, {name: functools.partial(
-                                make, by_name[name], channels=SAMPLE_BLOCK)
-                                for name in smaller}) if smaller else {}
+                            cls, rows, {p.name: functools.partial(make, p, channels=SAMPLE_BLOCK)
+                                        for p in missing if p.name in smaller}) if smaller else {}
                     timings.update({keys[p.name]: scaled_ms(
                         got[p.name], scales[p.name], small.get(p.name),
                         smaller.get(p.name, math.inf)) for p in missing})
