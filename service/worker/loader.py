@@ -142,7 +142,7 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
     RuntimeError where Hugging Face's `kernels` package shadows ours (``check_no_hub_kernels``).
     """
     check_no_hub_kernels()
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = path or default_model_path()
     folder, kw = _source(path)
@@ -164,22 +164,28 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
             weights, linear, embedding = read_gguf_model(path, config)
             if before_weights is not None:
                 before_weights(config, linear, embedding.nbytes)
-            rotary = rotary_embedding(config)
+            try:
+                rope_type, inv_freq, scaling = rope_parameters(config)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
             generation_eos = _generation_eos(folder, kw)
         else:
             if before_weights is not None:
                 before_weights(config, None, 0)
+            from transformers import AutoModelForCausalLM  # its import: ~2.5 s
+
             hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype,
                                                       config=config, **kw)
             rotary = hf.model.rotary_emb
+            rope_type = getattr(rotary, "rope_type", "default")
+            inv_freq = rotary.inv_freq.detach().float().clone()
+            scaling = float(getattr(rotary, "attention_scaling", 1.0))
             weights = {k: v.detach() for k, v in hf.state_dict().items()}
             linear = embedding = None
             generation_eos = getattr(hf.generation_config, "eos_token_id", None)
-        if getattr(rotary, "rope_type", "default") not in ("default", "linear", "llama3",
-                                                           "yarn"):
-            raise ValueError(f"{path}: rope type {rotary.rope_type!r} is not supported")
-        inv_freq = rotary.inv_freq.detach().float().clone()
-        if "gguf_file" in kw and getattr(rotary, "rope_type", "default") == "default":
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{path}: rope type {rope_type!r} is not supported")
+        if "gguf_file" in kw and rope_type == "default":
             inv_freq = gguf_rope_factors(path, inv_freq)  # the file parsed once (above)
     eos: set[int] = set()
     for src in (config.eos_token_id, generation_eos, tokenizer.eos_token_id):
@@ -193,7 +199,7 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, *,
         tokenizer=tokenizer,
         weights=weights,
         inv_freq=inv_freq,
-        attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        attention_scaling=scaling,
         eos_token_ids=frozenset(eos),
         gguf_path=str(Path(path).resolve()) if "gguf_file" in kw else None,
         gguf_linear=linear,
@@ -232,15 +238,35 @@ def check_architecture(path: str, config: object) -> None:
         )
 
 
-def rotary_embedding(config: object) -> torch.nn.Module:
-    """The family's own rotary embedding module, built from the config alone (its
-    ``inv_freq`` and ``attention_scaling``: rope scaling as transformers computes it)."""
-    import importlib
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""The rope types served (``rope_parameters["rope_type"]`` of a config)."""
 
-    model_type = config.model_type  # type: ignore[attr-defined]
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[model_type]
-    return getattr(module, f"{prefix}RotaryEmbedding")(config=config)
+
+def rope_parameters(config: object) -> tuple[str, torch.Tensor, float]:
+    """(rope type, inv_freq [head_dim/2] float32, attention_scaling) as the family's rotary
+    embedding module computes them from the config (``LlamaRotaryEmbedding``,
+    ``MistralRotaryEmbedding`` and ``Qwen2RotaryEmbedding`` in transformers 5 agree): rope
+    scaling by transformers' ``ROPE_INIT_FUNCTIONS``, the default as the modules'
+    ``compute_default_rope_parameters`` does. Read from ``modeling_rope_utils`` rather than
+    the modules, whose import (modeling_utils, masking_utils and their dependencies) took
+    about 2.5 s of a start-up on a 2-core Zen 3. tests/service/test_rope_parameters.py holds
+    the two equal for every rope type served. Raises ValueError for a rope type outside
+    ROPE_TYPES."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return rope_type, inv_freq, 1.0
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: "
+                         f"{', '.join(ROPE_TYPES)})")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return rope_type, inv_freq.detach().float().clone(), float(scaling)
 
 
 def _generation_eos(folder: str, kw: dict) -> object:

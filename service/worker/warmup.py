@@ -116,17 +116,26 @@ def warm_buckets(runner: ModelRunner) -> None:
     max_num_batched_tokens tokens twice, the second over the first's K/V (a long prompt's
     later chunks: attention over a cached context). A path's first call at a bucket pays
     lazy set-up (oneDNN's bf16 primitives and their weight reorders, first touches of
-    scratch), which without this landed on the first long prompt. The two chunks are left
-    out where no bucket takes bf16 and they would cost more than WARM_CHUNK_MACS (1B and
-    up: at the 8B shape they took about a minute on 2 cores)."""
+    scratch), which without this landed on the first long prompt.
+
+    Where no bucket takes bf16, our C++ and fp32 paths have little set-up to pay, and a
+    warm-up that would cost more than its budget is left out: the 16-row forward beyond
+    WARMUP_MACS (3B and up; after the 2-token prefill the 8B Q4_K_M file's first 16-row
+    forward took 2.24 s against 2.04 s for the next three, the 3B's 0.99 s against
+    0.80-1.00, on a 2-core Zen 3: the warm-up cost 2 s of every start to save 0.2 s of one
+    request), the two chunks beyond WARM_CHUNK_MACS (1B and up: at the 8B shape they took
+    about a minute on 2 cores)."""
     cap = min(runner.num_blocks * runner.block_size, runner.max_model_len)
     chunk = min(runner.max_batched_tokens, cap // 2)
+    rows = min(16, cap)
     bf16 = runner.linear_plan is not None and any(
         "bf16" in names for names in runner.linear_plan.choices.values())
-    if not bf16 and 2 * chunk * decoder_macs_per_token(runner.loaded.hf_config) > \
-            WARM_CHUNK_MACS:
+    macs = decoder_macs_per_token(runner.loaded.hf_config)
+    if not bf16 and rows * macs > WARMUP_MACS:
+        rows = 0
+    if not bf16 and 2 * chunk * macs > WARM_CHUNK_MACS:
         chunk = 0  # C++ paths only, and a big model: minutes of start-up at the 8B shape
-    for tokens, chunks in ((min(16, cap), 1), (chunk, 2)):
+    for tokens, chunks in ((rows, 1), (chunk, 2)):
         if tokens < 1:
             continue
         blocks = list(range(runner.blocks_needed(tokens * chunks)))
