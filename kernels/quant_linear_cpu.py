@@ -9,7 +9,10 @@ measured, never assumed (``service.worker.quantization.choice``).
 
 Source: ``kernels/csrc/quant_linear_cpu.cpp``, built by ``kernels.cpu_build`` in two
 variants with explicit flags: ``avx512`` (AVX-512 F/BW/VL/DQ) and ``avx2`` (AVX2 + FMA + F16C); a
-variant is offered where the CPU runs it, so an AVX-512 CPU can test and time both. Both
+variant is offered where the CPU runs it, so an AVX-512 CPU can test and time both. On an AMX
+CPU a third, ``amx`` (``ACT16_VARIANTS``), serves the int16-activation formats on AMX-INT8
+tiles; ``amxemu`` (``TEST_VARIANTS``) is that code over a scalar model of the tiles, for the
+tests. All
 compute every output element with the same sequence of fp32 roundings (fma over k in
 order), independent of the row count, the tiling and the threads: their outputs are
 bit-identical, and a row's output never depends on the other rows of the call.
@@ -41,6 +44,24 @@ VARIANTS: dict[str, CppKernel] = {
                       frozenset({"avx2", "fma", "f16c"})),
 }
 """Builds of the kernel by instruction set; ``requires``: the CPU flags each needs."""
+_AVX512_REQUIRES = VARIANTS["avx512"].requires
+ACT16_VARIANTS: dict[str, CppKernel] = {
+    "amx": CppKernel("quant_linear_cpu-amx", SOURCE,
+                     VARIANTS["avx512"].cxx_flags + ("-mamx-tile", "-mamx-int8", "-DCONVEYOR_AMX"),
+                     _AVX512_REQUIRES | {"avx512_vnni", "amx_tile", "amx_int8"}),
+}
+"""Builds offered for the int16-activation formats (x16) only: ``amx`` is the avx512 build
+whose x16 calls of 16 rows or more run on AMX-INT8 tiles (the same bits; fewer rows take the
+avx512 code). It serves only where the OS grants the tile state and the tiles' self-check
+passes (``conveyor_amx_init``); every other call of it is the avx512 build's."""
+TEST_VARIANTS: dict[str, CppKernel] = {
+    "amxemu": CppKernel("quant_linear_cpu-amxemu", SOURCE,
+                        VARIANTS["avx512"].cxx_flags + ("-DCONVEYOR_AMX", "-DCONVEYOR_AMX_EMULATE"),
+                        _AVX512_REQUIRES | {"avx512_vnni"}),
+}
+"""Builds for the tests only, never offered to serve: ``amxemu`` runs the amx build's tile
+code on a scalar model of the AMX instructions, so that any AVX512-VNNI CPU checks its
+bits."""
 FORMAT_CODES = {"f32": 0, "int8": 1, "int4": 2, "q4_1": 3, "q8_0": 4, "q4_1x8": 5, "q8_0x8": 6,
                 "q4_1x16": 7, "q8_0x16": 8, "q4_k": 9, "i8_k": 10, "q4_kx16": 11, "i8_kx16": 12,
                 "q6_k": 13, "q6_kx16": 14, "q5_k": 15, "q5_kx16": 16,
@@ -50,7 +71,8 @@ their fp16 ``scale`` / ``minv`` tensors' pointers where the C signature says ``c
 float*`` (q4_0 is q4_1's code with a null ``minv``: the kernel forms its min -8 d), q4_k, q5_k and i8_k their sc / m bytes (and d / dmin as ``sup_scale`` / ``sup_min``),
 q6_k its sc bytes (and d as ``sup_scale``)."""
 
-__all__ = ["FORMAT_CODES", "KernelBuildError", "VARIANTS", "available_isas", "dequantize",
+__all__ = ["ACT16_VARIANTS", "FORMAT_CODES", "KernelBuildError", "TEST_VARIANTS", "VARIANTS",
+           "act16_isas", "available_isas", "dequantize",
            "entry_point", "format_code", "isa_problem", "quant_linear"]
 
 
@@ -70,14 +92,33 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.conveyor_qlinear_isa.restype = ctypes.c_char_p
 
 
+AMX_INIT_PROBLEMS = {1: "the OS did not grant the AMX tile state (arch_prctl; Linux 5.16+)",
+                     2: "no AVX512-VNNI to check the AMX tiles against",
+                     3: "the AMX tiles' self-check gave other bits than the VNNI tiles"}
+"""``conveyor_amx_init``'s refusals."""
+
+
+def _setup_tiles(lib: ctypes.CDLL) -> None:
+    """_setup, then the tile state and the tiles' self-check (``conveyor_amx_init``).
+    Raises KernelBuildError when either fails: the build is then not offered."""
+    _setup(lib)
+    lib.conveyor_amx_init.argtypes = []
+    lib.conveyor_amx_init.restype = ctypes.c_int
+    rc = lib.conveyor_amx_init()
+    if rc != 0:
+        raise KernelBuildError(AMX_INIT_PROBLEMS.get(rc, f"conveyor_amx_init returned {rc}"))
+
+
 _LIBRARIES = {isa: KernelLibrary(kernel, _setup) for isa, kernel in VARIANTS.items()}
+_LIBRARIES.update({isa: KernelLibrary(kernel, _setup_tiles)
+                   for isa, kernel in (*ACT16_VARIANTS.items(), *TEST_VARIANTS.items())})
 
 
 def isa_problem(isa: str) -> str | None:
     """Why the `isa` build cannot serve here (CPU lacks it, no compiler, ...), or None.
     Builds it on the first call (a few seconds). Raises ValueError for an unknown isa."""
     if isa not in _LIBRARIES:
-        raise ValueError(f"isa must be one of {tuple(VARIANTS)}, got {isa!r}")
+        raise ValueError(f"isa must be one of {tuple(_LIBRARIES)}, got {isa!r}")
     problem = _LIBRARIES[isa].problem()
     if problem is None and _LIBRARIES[isa].load().conveyor_qlinear_isa().decode() != isa:
         return f"the {isa} build reports another instruction set"  # a broken flag set
@@ -89,9 +130,15 @@ def available_isas() -> tuple[str, ...]:
     return tuple(isa for isa in VARIANTS if isa_problem(isa) is None)
 
 
+def act16_isas() -> tuple[str, ...]:
+    """The builds that serve the int16-activation formats here (``ACT16_VARIANTS`` first, then
+    ``available_isas()``)."""
+    return (*(isa for isa in ACT16_VARIANTS if isa_problem(isa) is None), *available_isas())
+
+
 def _library(isa: str) -> ctypes.CDLL:
     if isa not in _LIBRARIES:
-        raise ValueError(f"isa must be one of {tuple(VARIANTS)}, got {isa!r}")
+        raise ValueError(f"isa must be one of {tuple(_LIBRARIES)}, got {isa!r}")
     return _LIBRARIES[isa].load()
 
 
@@ -120,7 +167,8 @@ def quant_linear(x: torch.Tensor, packed: AnyPacked, isa: str,
         packed: the weight, from ``kernels.quant_pack.pack_*``, or a split weight
             (``kernels.packed_parts.PackedParts``: one kernel call a part, each writing its
             columns of y).
-        isa: the build to use, one of ``available_isas()``.
+        isa: the build to use: one of ``available_isas()``, for an x16 format one of
+            ``act16_isas()``, or a ``TEST_VARIANTS`` build.
         out: [M, N] float32 with unit stride along N to write into, or None (a new tensor).
 
     Returns:

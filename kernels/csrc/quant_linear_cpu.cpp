@@ -2,8 +2,9 @@
 // GGUF's Q4_1 / Q8_0 blocks store them), dequantized on the fly:
 //   y[M, N] = x[M, K] @ W[N, K]^T (+ bias),  x and y fp32.
 //
-// Built twice from this one file (kernels/quant_linear_cpu.py): with AVX-512 flags and with
-// AVX2 + FMA flags; the preprocessor picks the vector type V16 (16 floats: one zmm, or two
+// Built from this one file (kernels/quant_linear_cpu.py) with AVX-512 flags and with AVX2 +
+// FMA flags (and, with -DCONVEYOR_AMX, AVX-512 plus AMX tiles for the int16 activations: see
+// run_amx); the preprocessor picks the vector type V16 (16 floats: one zmm, or two
 // ymm). Everything else is shared, and every output element is computed by the same
 // sequence of rounded operations in both builds and for every row count M, tile shape and
 // thread count:
@@ -76,11 +77,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(CONVEYOR_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -2016,6 +2024,278 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
   }
 }
 
+
+#if defined(CONVEYOR_AMX)
+// ---- int16 activations on AMX tiles (the amx and amxemu builds: -DCONVEYOR_AMX) ----------
+// tile_vnni's integers and float steps (so its bits, and every other x16 path's) with
+// AMX-INT8's tile dot products: each int16 qx is split as the one-row VNNI kernel splits it,
+// qx = 256 h + l (h = qx >> 8 signed, l = qx & 255 unsigned), and every weight value of the
+// x16 formats fits a signed byte (q4 nibbles 0..15, q5_k 0..31, q6_k's q - 32, q8_0 / i8_k
+// bytes), so a group's exact integer sum is
+//   isum = 256 tdpbssd(h, w) + tdpbusd(l, w)     (|256 sum h w| <= 256 * 128 * 128 * 32 < 2^31)
+// over 16 rows x 16 channels a tile, one group (16 or 32 k) a tile product, then
+// tile_vnni's float steps per row, panel and group in order. The tiles (Intel SDM vol. 2,
+// TILELOADD / TDPBSSD / TDPBUSD; palette 1): t0 h and t1 l of 16 rows x one group's k (A),
+// t2 and t3 the weights of two panels (B: group / 4 rows of 16 channels x 4 k), t4-t7 the
+// sums (C: h and l of each panel). A work item is two panels (32 channels) for a block of
+// rows; its weights are laid out as B once per item (pair_weights_vnni's pairs, two of
+// them to a row of four k) and read by every 16-row tile of the item.
+// The amxemu build runs the same code on a scalar model of those instructions (any AVX-512
+// CPU: the tests check its bits against the other builds'); the amx build uses the
+// instructions, after the kernel grants the process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM) and a self-check on this CPU passes (conveyor_amx_init).
+
+struct TileConfig {  // LDTILECFG's 64-byte operand
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#if defined(CONVEYOR_AMX_EMULATE)
+constexpr const char* kAmxIsa = "amxemu";
+// A scalar model of the tile instructions used, with the SDM's operand checks (a violation
+// would raise #UD on the hardware: here a trap).
+struct EmuTiles {
+  TileConfig cfg;
+  alignas(64) uint8_t t[8][16][64];
+};
+thread_local EmuTiles emu_tiles;
+
+inline void amx_config(const TileConfig* c) {
+  emu_tiles.cfg = *c;
+  std::memset(emu_tiles.t, 0, sizeof(emu_tiles.t));
+}
+inline void amx_release() { std::memset(&emu_tiles, 0, sizeof(emu_tiles)); }
+inline void amx_load(int t, const void* base, int64_t stride) {
+  const TileConfig& c = emu_tiles.cfg;
+  if (c.rows[t] == 0 || c.rows[t] > 16 || c.colsb[t] == 0 || c.colsb[t] > 64) __builtin_trap();
+  std::memset(emu_tiles.t[t], 0, sizeof(emu_tiles.t[t]));
+  for (int r = 0; r < c.rows[t]; ++r)
+    std::memcpy(emu_tiles.t[t][r], static_cast<const uint8_t*>(base) + r * stride, c.colsb[t]);
+}
+inline void amx_store(int t, void* base, int64_t stride) {
+  const TileConfig& c = emu_tiles.cfg;
+  for (int r = 0; r < c.rows[t]; ++r)
+    std::memcpy(static_cast<uint8_t*>(base) + r * stride, emu_tiles.t[t][r], c.colsb[t]);
+}
+inline void amx_zero(int t) { std::memset(emu_tiles.t[t], 0, sizeof(emu_tiles.t[t])); }
+// C[m][n] += sum over k < colsb(A) / 4 and i < 4 of A[m][4k + i] * B[k][4n + i] (int32, wrapping),
+// A's bytes signed (tdpbssd) or unsigned (tdpbusd), B's signed.
+template <bool ASigned>
+inline void amx_dp(int tc, int ta, int tb) {
+  const TileConfig& c = emu_tiles.cfg;
+  if (c.rows[tc] != c.rows[ta] || c.colsb[tc] != c.colsb[tb] || c.rows[tb] * 4 != c.colsb[ta] ||
+      c.colsb[tc] % 4 != 0)
+    __builtin_trap();
+  for (int m = 0; m < c.rows[tc]; ++m)
+    for (int n = 0; n < c.colsb[tc] / 4; ++n) {
+      uint32_t acc;
+      std::memcpy(&acc, emu_tiles.t[tc][m] + 4 * n, 4);
+      for (int k = 0; k < c.rows[tb]; ++k)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t a = emu_tiles.t[ta][m][4 * k + i];
+          const int32_t av = ASigned ? static_cast<int8_t>(a) : static_cast<int32_t>(a);
+          acc += static_cast<uint32_t>(av * static_cast<int8_t>(emu_tiles.t[tb][k][4 * n + i]));
+        }
+      std::memcpy(emu_tiles.t[tc][m] + 4 * n, &acc, 4);
+    }
+}
+#define AMX_LOAD(t, p, s) amx_load(t, p, s)
+#define AMX_STORE(t, p, s) amx_store(t, p, s)
+#define AMX_ZERO(t) amx_zero(t)
+#define AMX_DP_SS(c, a, b) amx_dp<true>(c, a, b)
+#define AMX_DP_US(c, a, b) amx_dp<false>(c, a, b)
+#define AMX_CONFIG(p) amx_config(p)
+#define AMX_RELEASE() amx_release()
+#else
+constexpr const char* kAmxIsa = "amx";
+#define AMX_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define AMX_STORE(t, p, s) _tile_stored(t, p, s)
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_DP_SS(c, a, b) _tile_dpbssd(c, a, b)
+#define AMX_DP_US(c, a, b) _tile_dpbusd(c, a, b)
+#define AMX_CONFIG(p) _tile_loadconfig(p)
+#define AMX_RELEASE() _tile_release()
+#endif
+
+// Set by conveyor_amx_init once the tile state is granted and the self-check passed.
+std::atomic<bool> amx_ready{false};
+
+// From this many rows an int16-activation call runs on the tiles (a tile is 16 rows).
+constexpr int64_t kAmxMinRows = 16;
+// Rows of a work item: a block of rows for two panels (the items of one panel pair are
+// consecutive, so a thread lays out the pair's weights once for all of its blocks).
+constexpr int64_t kAmxRows = 128;
+
+// The k of one tile product: a whole group of up to 64 (16 or 32 for the GGUF formats), else
+// 64 at a time (groups of up to 256: |256 sum h w| <= 256 * 128 * 128 * 256 = 2^30); 0 where
+// the tiles cannot take the group (not a multiple of 4, or above 64 and not of 64).
+inline int64_t amx_chunk(int64_t group) {
+  if (group % 4 != 0) return 0;
+  if (group <= 64) return group;
+  return group % 64 == 0 ? 64 : 0;
+}
+
+// qx split into h (signed) and l (unsigned) bytes, [Mp, K] each, rows past M zero.
+struct AmxAct {
+  std::vector<int8_t> h;
+  std::vector<uint8_t> l;
+  int64_t Mp = 0;
+};
+
+inline void amx_split(const Problem& pb, const Act16& a, AmxAct& s, int num_threads) {
+  const int64_t K = pb.K;
+  s.Mp = (pb.M + 15) / 16 * 16;
+  s.h.assign(static_cast<size_t>(s.Mp * K), 0);
+  s.l.assign(static_cast<size_t>(s.Mp * K), 0);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (pb.M * K >= 32768)
+  for (int64_t m = 0; m < pb.M; ++m) {
+    const int16_t* q = a.q.data() + m * K;
+    int8_t* h = s.h.data() + m * K;
+    uint8_t* l = s.l.data() + m * K;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512i v = _mm512_loadu_si512(q + k);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k),
+                          _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + k),
+                          _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(255))));
+    }
+    for (; k < K; ++k) {
+      h[k] = static_cast<int8_t>(q[k] >> 8);
+      l[k] = static_cast<uint8_t>(q[k] & 255);
+    }
+  }
+}
+
+// Panels p0, p0 + 1 laid out as B tiles: buf[c][j] (64 bytes) = channel n's weights at
+// k = 4j .. 4j + 3 in bytes 4n .. 4n + 3, for panel p0 + c.
+template <int Fmt>
+__attribute__((target("avx512vnni"))) void amx_weights(const Problem& pb, int64_t p0,
+                                                         uint8_t* buf) {
+  // words of the two k pairs' vectors interleaved: word 2n = pair (k, k + 1) of channel n,
+  // word 2n + 1 = pair (k + 2, k + 3)
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                                                 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+                                                 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(order);
+  for (int c = 0; c < 2; ++c)
+    for (int64_t k = 0; k < pb.K; k += 4) {
+      const __m256i a = _mm512_cvtepi16_epi8(pair_weights_vnni<Fmt>(pb, p0 + c, k));
+      const __m256i b = _mm512_cvtepi16_epi8(pair_weights_vnni<Fmt>(pb, p0 + c, k + 2));
+      const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_store_si512(buf + (c * pb.K / 4 + k / 4) * 64, _mm512_permutexvar_epi16(idx, ab));
+    }
+}
+
+// Rows m0 .. m0 + 15 (those below M) of panels p0, p0 + 1 from the laid-out weights `wb`;
+// the tile configuration for the problem's group is loaded.
+template <int Fmt>
+__attribute__((target("avx512vnni"))) void amx_tile(const Problem& pb, const Act16& a,
+                                                      const AmxAct& s, const uint8_t* wb,
+                                                      int64_t p0, int64_t m0) {
+#if defined(CONVEYOR_AMX_EMULATE)
+  if (m0 % 16 != 0 || m0 + 16 > s.Mp) __builtin_trap();  // a tile load past h and l
+#endif
+  const int rows = static_cast<int>(std::min<int64_t>(16, pb.M - m0));
+  alignas(64) float tot[16][2][16];
+  alignas(64) int32_t sums[4][16][16];  // h, l of panel 0, then of panel 1
+  std::memset(tot, 0, sizeof(tot));
+  const int64_t G = pb.group, chunk = amx_chunk(G);
+  for (int64_t g = 0; g < pb.groups; ++g) {
+    AMX_ZERO(4);
+    AMX_ZERO(5);
+    AMX_ZERO(6);
+    AMX_ZERO(7);
+    for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += chunk) {  // a group's sums, exact
+      AMX_LOAD(0, s.h.data() + m0 * pb.K + k0, pb.K);
+      AMX_LOAD(1, s.l.data() + m0 * pb.K + k0, pb.K);
+      AMX_LOAD(2, wb + k0 / 4 * 64, 64);
+      AMX_LOAD(3, wb + (pb.K / 4 + k0 / 4) * 64, 64);
+      AMX_DP_SS(4, 0, 2);
+      AMX_DP_US(5, 1, 2);
+      AMX_DP_SS(6, 0, 3);
+      AMX_DP_US(7, 1, 3);
+    }
+    AMX_STORE(4, sums[0], 64);
+    AMX_STORE(5, sums[1], 64);
+    AMX_STORE(6, sums[2], 64);
+    AMX_STORE(7, sums[3], 64);
+    for (int c = 0; c < 2; ++c) {  // tile_vnni's float steps, lane for lane
+      V16 d, mn = zero();
+      group_scales<Fmt>(pb, p0 + c, g, d, mn);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const __m512i isum =
+            _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[2 * c][r]), 8),
+                             _mm512_load_si512(sums[2 * c + 1][r]));
+        const __m512 vdx = _mm512_set1_ps(a.dx(pb, m, g));
+        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d.v, vdx),
+                                   _mm512_load_ps(tot[r][c]));
+        if constexpr (has_min(Fmt))
+          t = _mm512_fmadd_ps(_mm512_set1_ps(pb.xsum[m * pb.groups + g]), mn.v, t);
+        _mm512_store_ps(tot[r][c], t);
+      }
+    }
+  }
+  for (int c = 0; c < 2; ++c) {
+    const int64_t c0 = (p0 + c) * 16;
+    const int64_t valid = std::min<int64_t>(16, pb.N - c0);
+    if (valid <= 0) continue;
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+    for (int r = 0; r < rows; ++r) {
+      __m512 v = _mm512_load_ps(tot[r][c]);
+      if (pb.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, pb.bias + c0));
+      _mm512_mask_storeu_ps(pb.y + (m0 + r) * pb.y_stride + c0, keep, v);
+    }
+  }
+}
+
+// The whole call on the tiles (pb.M >= 1, amx_chunk(pb.group) > 0).
+template <int Fmt>
+__attribute__((target("avx512vnni"))) void run_amx(const Problem& pb, const Act16& a,
+                                                     int num_threads) {
+  AmxAct s;
+  amx_split(pb, a, s, num_threads);
+  TileConfig cfg;
+  const int G = static_cast<int>(amx_chunk(pb.group));
+  for (int t = 0; t < 2; ++t) {  // A: 16 rows x one chunk's bytes
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = static_cast<uint16_t>(G);
+  }
+  for (int t = 2; t < 4; ++t) {  // B: a chunk's k / 4 rows x 16 channels' 4 bytes
+    cfg.rows[t] = static_cast<uint8_t>(G / 4);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 4; t < 8; ++t) {  // C: 16 rows x 16 int32
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // blocks of whole tiles: every tile's 16 rows lie within the Mp rows of h and l
+  const int64_t pairs = pb.Np / 32;
+  const int64_t block_rows = (even_block_rows(s.Mp, kAmxRows) + 15) / 16 * 16;
+  const int64_t blocks = (s.Mp + block_rows - 1) / block_rows, items = pairs * blocks;
+#pragma omp parallel num_threads(num_threads)
+  {
+    AMX_CONFIG(&cfg);
+    // this thread's laid-out pair (64-byte rows: tile loads and aligned stores)
+    uint8_t* wb = static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(pb.K * 32)));
+    int64_t have = -1;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) {
+      const int64_t pair = i / blocks, m0 = i % blocks * block_rows;
+      if (pair != have) {
+        amx_weights<Fmt>(pb, 2 * pair, wb);
+        have = pair;
+      }
+      const int64_t m1 = std::min(pb.M, m0 + block_rows);
+      for (int64_t m = m0; m < m1; m += 16) amx_tile<Fmt>(pb, a, s, wb, 2 * pair, m);
+    }
+    std::free(wb);
+    AMX_RELEASE();
+  }
+}
+#endif  // CONVEYOR_AMX
 #endif
 
 // From this many rows in a work item on, its panel's weight pairs are unpacked once into a
@@ -2084,6 +2364,13 @@ void run_act16(const Problem& pb, int num_threads) {
   Act16 a;
   quantize_rows16(pb, has_supers(Fmt) ? kAct16KGroup : pb.group, a, num_threads);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(CONVEYOR_AMX)
+  if (pb.M >= kAmxMinRows && amx_chunk(pb.group) > 0 &&
+      amx_ready.load(std::memory_order_acquire)) {
+    run_amx<Fmt>(pb, a, num_threads);
+    return;
+  }
+#endif
   if constexpr (has_gemv_vnni(Fmt)) {
     if (use_gemv_vnni(pb)) {
       std::vector<int32_t> words(static_cast<size_t>(pb.K / 2)), gsum;
@@ -2157,7 +2444,13 @@ void run_act16(const Problem& pb, int num_threads) {
 
 extern "C" {
 
-const char* conveyor_qlinear_isa() { return kIsa; }
+const char* conveyor_qlinear_isa() {
+#if defined(CONVEYOR_AMX)
+  return kAmxIsa;
+#else
+  return kIsa;
+#endif
+}
 
 // Whether the K-quant arguments are valid: group 32 (q4_k) or 16 (i8_k), super_group 256 (or
 // 32 for i8_k) dividing K, d and dmin given. True for every other format (which ignores them).
@@ -2360,4 +2653,61 @@ int conveyor_qdequant(int fmt, const void* w, const float* scale, const float* m
                               num_threads);
 }
 
+#if defined(CONVEYOR_AMX)
+// Grants this process the AMX tile state (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA; the amxemu build needs none) and checks the tiles on this CPU: q4_1
+// and q8_0 calls of 40 rows (two full tiles and a partial one, two panel pairs) must give
+// the VNNI tiles' bits. Returns 0 (the tiles then serve int16-activation calls from
+// kAmxMinRows rows), 1 (no tile state: the OS refused it), 2 (no AVX512-VNNI to check
+// against) or 3 (the tiles' outputs differ: never used).
+int conveyor_amx_init() {
+#if !defined(CONVEYOR_AMX_EMULATE)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return 1;
+#endif
+  if (!cpu_has_avx512_vnni()) return 2;
+  constexpr int64_t M = 40, K = 256, N = 64, Np = 64, group = 32, groups = K / group;
+  uint32_t state = 12345u;
+  auto next = [&state] {  // a fixed LCG: the same problem every time
+    state = state * 1664525u + 1013904223u;
+    return state >> 8;
+  };
+  std::vector<float> x(M * K), xsum(M * groups), y_amx(M * N), y_vnni(M * N), bias(Np);
+  for (float& v : x) v = static_cast<float>(next() % 2001) / 1000.f - 1.f;
+  for (float& v : bias) v = static_cast<float>(next() % 101) / 100.f;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += x[m * K + k];
+      xsum[m * groups + g] = s;
+    }
+  std::vector<uint8_t> w(Np / 64 * K * 64);
+  for (uint8_t& b : w) b = static_cast<uint8_t>(next());
+  for (uint8_t& b : w) b = b == 0x80 ? 0x81 : b;  // q8_0 bytes in [-127, 127]
+  std::vector<uint16_t> d(Np / 64 * groups * 64), mn(d.size());
+  for (uint16_t& h : d) h = static_cast<uint16_t>(0x2C00 + next() % 0x0C00);  // fp16 in [2^-4, 1)
+  for (uint16_t& h : mn) h = static_cast<uint16_t>(0xAC00 + next() % 0x0C00);  // negative
+  for (int fmt : {kQ41, kQ80}) {
+    const Problem pb{x.data(), K, M, K, N, Np, w.data(), d.data(),
+                     fmt == kQ41 ? mn.data() : nullptr, group, groups,
+                     xsum.data(), bias.data(), nullptr, N, nullptr, nullptr, 0, 0};
+    Act16 a;
+    quantize_rows16(pb, group, a, 1);
+    Problem p1 = pb;
+    p1.y = y_amx.data();
+    Problem p2 = pb;
+    p2.y = y_vnni.data();
+    if (fmt == kQ41) {
+      run_amx<kQ41>(p1, a, 2);
+      run_vnni<kQ41>(p2, a, 2);
+    } else {
+      run_amx<kQ80>(p1, a, 2);
+      run_vnni<kQ80>(p2, a, 2);
+    }
+    if (std::memcmp(y_amx.data(), y_vnni.data(), y_amx.size() * sizeof(float)) != 0) return 3;
+  }
+  amx_ready.store(true, std::memory_order_release);
+  return 0;
+}
+#endif
 }  // extern "C"

@@ -380,16 +380,23 @@ def _cpp_act8(fmt: str, isa: str) -> LinearPath:
                       activation_bits=8)
 
 
+AMX_MIN_ROWS = 16
+"""The rows from which the ``amx`` build's x16 calls run on its tiles (``kAmxMinRows``, a
+tile's rows); below, that build runs the avx512 code, so its paths are timed from here on."""
+
+
 def _cpp_act16(fmt: str, isa: str) -> LinearPath:
     """Our kernel over the checkpoint's own q4_1 / q8_0 / q4_k / i8_k / q6_k blocks with x quantized
     to int16 per row and group of 32 (``quantize_activations(..., levels=32767)``),
-    multiplied with ``vpmaddwd`` / ``vpdpwssd``: the same weights, under ACT16_ERROR_BOUND.
-    Offered in auto and auto-a8."""
+    multiplied with ``vpmaddwd`` / ``vpdpwssd`` (or on the ``amx`` build's AMX-INT8 tiles, from
+    AMX_MIN_ROWS rows: the same bits): the same weights, under ACT16_ERROR_BOUND. Offered in
+    auto and auto-a8."""
     return LinearPath(f"cpp-{fmt}x16-{isa}", "auto", True, False,
                       lambda lw: CppLinear(per_part(with_int16_activations, lw.packed_native),
                                            isa),
                       _isa_problem(isa), native=fmt, error_bound=ACT16_ERROR_BOUND,
-                      activation_bits=16)
+                      activation_bits=16,
+                      min_rows=AMX_MIN_ROWS if isa in qlc.ACT16_VARIANTS else 1)
 
 
 def _cpp(fmt: str, isa: str) -> LinearPath:
@@ -437,7 +444,8 @@ PATHS: dict[str, LinearPath] = {p.name: p for p in [
     *[_cpp("split", isa) for isa in qlc.VARIANTS],
     _dequant("split"),
     *[_cpp_act8(fmt, isa) for fmt in _ACT_NATIVE for isa in qlc.VARIANTS],
-    *[_cpp_act16(fmt, isa) for fmt in _ACT16_NATIVE for isa in qlc.VARIANTS],
+    *[_cpp_act16(fmt, isa) for fmt in _ACT16_NATIVE
+      for isa in (*qlc.ACT16_VARIANTS, *qlc.VARIANTS)],
     LinearPath("bf16", "auto", False, False, lambda lw: BF16Linear(lw.weight, lw.bias),
                lambda: None, min_rows=BF16_MIN_ROWS, error_bound=BF16_ERROR_BOUND,
                rounds_weights=True),
@@ -515,6 +523,8 @@ def machine_note() -> str:
     """One line on what decides the paths here (the int8 ISA in force, bf16 hardware, C++
     builds)."""
     isas = qlc.available_isas()
+    tiles = [isa for isa in qlc.act16_isas() if isa in qlc.ACT16_VARIANTS]
     return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
             f"{int8_isa().note()}; bf16 {bf16_hardware() or 'emulated (no AMX / AVX512-BF16)'}; "
-            f"C++ builds: {', '.join(isas) if isas else 'none'}")
+            f"C++ builds: {', '.join(isas) if isas else 'none'}"
+            f"{''.join(f', {t} (x16 from {AMX_MIN_ROWS} rows)' for t in tiles)}")

@@ -52,6 +52,8 @@ def substitute(name: str, lw: LayerWeights, batch_invariant: bool) -> str:
         for own in (f"cpp-{lw.native_fmt}{act}-{isa}", f"cpp-{lw.native_fmt}-{isa}"):
             if own in PATHS:
                 return own
+    if isa in qlc.ACT16_VARIANTS:  # a tile build serves x16 formats only: its base build
+        isa = "avx512"
     return f"cpp-f32-{isa}" if batch_invariant or PATHS[name].row_invariant else "fp32"
 
 
