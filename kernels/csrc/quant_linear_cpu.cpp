@@ -2045,11 +2045,12 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
 // instructions, after the kernel grants the process the tile state (arch_prctl
 // ARCH_REQ_XCOMP_PERM) and a self-check on this CPU passes (conveyor_amx_init).
 
-struct TileConfig {  // LDTILECFG's 64-byte operand
+struct alignas(64) TileConfig {  // LDTILECFG's 64-byte operand
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
 #if defined(CONVEYOR_AMX_EMULATE)
 constexpr const char* kAmxIsa = "amxemu";
