@@ -35,6 +35,9 @@ def favour_bf16(monkeypatch):
     gate = quality_gate.QualityGate(min_top1=0.99, max_perplexity_change=0.005)
     monkeypatch.setattr(apply, "run_gate", functools.partial(quality_gate.run_gate, gate=gate))
     monkeypatch.setattr(choice, "default_timer", _bf16_fastest_at_512)
+    # every layer timed whole: the fake's times are a layer's (on a sample of a layer's
+    # channels, each path's time would be scaled by its own sample's share)
+    monkeypatch.setattr(choice, "SAMPLE_FROM_ROWS", 1 << 30)
     monkeypatch.setattr(choice, "_save_cache", lambda timings: None)
     monkeypatch.setattr(choice, "_load_cache", lambda: {})
     monkeypatch.setattr(choice, "_PROCESS_TIMINGS", {})  # fake timings stay in this test
