@@ -73,7 +73,7 @@ q6_k its sc bytes (and d as ``sup_scale``)."""
 
 __all__ = ["ACT16_VARIANTS", "FORMAT_CODES", "KernelBuildError", "TEST_VARIANTS", "VARIANTS",
            "act16_isas", "available_isas", "dequantize",
-           "entry_point", "format_code", "isa_problem", "quant_linear"]
+           "entry_point", "format_code", "isa_problem", "library", "quant_linear"]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -128,6 +128,14 @@ def isa_problem(isa: str) -> str | None:
 def available_isas() -> tuple[str, ...]:
     """The builds that run on this CPU and build here, fastest instruction set first."""
     return tuple(isa for isa in VARIANTS if isa_problem(isa) is None)
+
+
+def library(isa: str) -> KernelLibrary:
+    """The `isa` build's library (not loaded yet, perhaps). Raises ValueError for an unknown
+    isa."""
+    if isa not in _LIBRARIES:
+        raise ValueError(f"isa must be one of {tuple(_LIBRARIES)}, got {isa!r}")
+    return _LIBRARIES[isa]
 
 
 def act16_isas() -> tuple[str, ...]:

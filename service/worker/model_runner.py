@@ -16,6 +16,7 @@ from contextlib import ExitStack
 import torch
 
 from kernels import AttentionLayout, resolve_backend, select_ops
+from kernels.prebuild import start_builds
 from service.core.config import EngineConfig
 from service.core.scheduler_output import RunnerOutput, SchedulerOutput
 from service.worker.cpu_threads import default_num_threads
@@ -93,6 +94,8 @@ class ModelRunner:
         # Batch invariance runs every attention row through the C++ decode kernel.
         decode_setting = "cpp" if mc.batch_invariant else mc.cpu_decode_kernel
         self.batch_invariant = mc.batch_invariant
+        if self.device.type == "cpu":
+            start_builds()  # every C++ kernel compiled at once where none is cached yet
         if decode_setting == "cpp" and self.device.type == "cpu":
             check_decode_kernel_builds()  # before the model load: fail in a second, not in 20
         # auto serves the checkpoint's own weights on the CPU in fp32; elsewhere it is dense
