@@ -33,19 +33,24 @@ def cpu_serving_libraries() -> list[KernelLibrary]:
     return [lib for lib in libs if lib.kernel.runs_here()]
 
 
+MAX_BUILDS = 4
+"""Compilers run at once at most: the linear kernel's build peaks at about 370 MB of
+memory (g++ 12), and the model loads beside them."""
+
 _POOL: ThreadPoolExecutor | None = None
 
 
 def start_builds(libraries: list[KernelLibrary] | None = None) -> list[Future]:
     """Build and load `libraries` (default ``cpu_serving_libraries()``) in background threads,
-    as many at a time as this process may use cores. Returns the futures of their
+    as many at a time as this process may use cores (at most MAX_BUILDS). Returns the futures of their
     ``problem()`` (None, or why the build failed: the caller's own ``load`` raises it again).
     Never raises."""
     global _POOL
     if libraries is None:
         libraries = cpu_serving_libraries()
     if _POOL is None:
-        workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1)
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="conveyor-kernel-build")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1
+        _POOL = ThreadPoolExecutor(max(1, min(cores, MAX_BUILDS)),
+                                   thread_name_prefix="conveyor-kernel-build")
     return [_POOL.submit(lib.problem) for lib in libraries]
