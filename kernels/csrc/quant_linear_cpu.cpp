@@ -2024,7 +2024,6 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
   }
 }
 
-
 #if defined(CONVEYOR_AMX)
 // ---- int16 activations on AMX tiles (the amx and amxemu builds: -DCONVEYOR_AMX) ----------
 // tile_vnni's integers and float steps (so its bits, and every other x16 path's) with
@@ -2032,16 +2031,17 @@ void run_vnni(const Problem& pb, const Act16& a, int num_threads) {
 // qx = 256 h + l (h = qx >> 8 signed, l = qx & 255 unsigned), and every weight value of the
 // x16 formats fits a signed byte (q4 nibbles 0..15, q5_k 0..31, q6_k's q - 32, q8_0 / i8_k
 // bytes), so a group's exact integer sum is
-//   isum = 256 tdpbssd(h, w) + tdpbusd(l, w)     (|256 sum h w| <= 256 * 128 * 128 * 32 < 2^31)
-// over 16 rows x 16 channels a tile, one group (16 or 32 k) a tile product, then
+//   isum = 256 tdpbssd(h, w) + tdpbusd(l, w)     (exact in int32: amx_chunk)
+// over 16 rows x 16 channels a tile, a group of up to 64 k a tile product (larger ones 64 k
+// at a time into the same sums), then
 // tile_vnni's float steps per row, panel and group in order. The tiles (Intel SDM vol. 2,
 // TILELOADD / TDPBSSD / TDPBUSD; palette 1): t0 h and t1 l of 16 rows x one group's k (A),
 // t2 and t3 the weights of two panels (B: group / 4 rows of 16 channels x 4 k), t4-t7 the
 // sums (C: h and l of each panel). A work item is two panels (32 channels) for a block of
 // rows; its weights are laid out as B once per item (pair_weights_vnni's pairs, two of
 // them to a row of four k) and read by every 16-row tile of the item.
-// The amxemu build runs the same code on a scalar model of those instructions (any AVX-512
-// CPU: the tests check its bits against the other builds'); the amx build uses the
+// The amxemu build runs the same code on a scalar model of those instructions (any
+// AVX512-VNNI CPU: the tests check its bits against the other builds'); the amx build uses the
 // instructions, after the kernel grants the process the tile state (arch_prctl
 // ARCH_REQ_XCOMP_PERM) and a self-check on this CPU passes (conveyor_amx_init).
 
