@@ -42,9 +42,9 @@ _POOL: ThreadPoolExecutor | None = None
 
 def start_builds(libraries: list[KernelLibrary] | None = None) -> list[Future]:
     """Build and load `libraries` (default ``cpu_serving_libraries()``) in background threads,
-    as many at a time as this process may use cores (at most MAX_BUILDS). Returns the futures of their
-    ``problem()`` (None, or why the build failed: the caller's own ``load`` raises it again).
-    Never raises."""
+    as many at a time as this process may use cores (at most MAX_BUILDS). Returns the futures
+    of their ``problem()`` (None, or why the build failed: the caller's own ``load`` raises it
+    again). Never raises."""
     global _POOL
     if libraries is None:
         libraries = cpu_serving_libraries()

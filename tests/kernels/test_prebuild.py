@@ -22,10 +22,12 @@ class _Meeting:
         return None
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to build side by side")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to build side by side")
 def test_builds_run_side_by_side() -> None:
     barrier = threading.Barrier(2, timeout=10)
-    futures = prebuild.start_builds([_Meeting(barrier), _Meeting(barrier)])  # type: ignore[list-item]
+    fakes = [_Meeting(barrier), _Meeting(barrier)]
+    futures = prebuild.start_builds(fakes)  # type: ignore[arg-type]
     assert [f.result(timeout=20) for f in futures] == [None, None]
 
 
