@@ -23,6 +23,8 @@ Weights come packed by ``kernels.quant_pack`` (formats, layout, torch references
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -98,10 +100,25 @@ AMX_INIT_PROBLEMS = {1: "the OS did not grant the AMX tile state (arch_prctl; Li
 """``conveyor_amx_init``'s refusals."""
 
 
+_CHILD_CHECK = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+                "sys.exit(lib.conveyor_amx_init())")
+
+
 def _setup_tiles(lib: ctypes.CDLL) -> None:
-    """_setup, then the tile state and the tiles' self-check (``conveyor_amx_init``).
-    Raises KernelBuildError when either fails: the build is then not offered."""
+    """_setup, then the tile state and the tiles' self-check (``conveyor_amx_init``): first in
+    a child process (instructions never run on this machine before cannot take the server
+    down: a fault there only refuses the build), then in this one. Raises KernelBuildError
+    when either fails: the build is then not offered."""
     _setup(lib)
+    try:
+        child = subprocess.run([sys.executable, "-c", _CHILD_CHECK, lib._name],
+                               capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"the AMX tiles' self-check could not run in a child: {e}") from e
+    if child.returncode != 0:
+        raise KernelBuildError(AMX_INIT_PROBLEMS.get(
+            child.returncode, f"the AMX tiles' self-check failed in a child process (exit "
+                              f"{child.returncode}: a negative one is a signal)"))
     lib.conveyor_amx_init.argtypes = []
     lib.conveyor_amx_init.restype = ctypes.c_int
     rc = lib.conveyor_amx_init()

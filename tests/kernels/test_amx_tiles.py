@@ -108,3 +108,18 @@ def test_the_tile_builds_are_offered_for_x16_only_and_never_the_emulation() -> N
     amx = [name for name in PATHS if name.endswith("-amx")]
     assert amx and all(name.rsplit("-", 1)[0].endswith("x16") for name in amx)
     assert not any(name.endswith("-amxemu") for name in PATHS)
+
+
+@pytest.mark.skipif(qlc.isa_problem("amxemu") is not None, reason="needs the amxemu build")
+def test_a_self_check_that_crashes_refuses_the_build_and_spares_the_process(monkeypatch) -> None:
+    """The tiles' self-check runs in a child process first: a fault there (here a SIGSEGV
+    standing in for an instruction this CPU refuses) refuses the build with the signal named,
+    and this process goes on."""
+    lib = qlc.library("amxemu").load()
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    monkeypatch.setattr(qlc, "_CHILD_CHECK", crash)
+    with pytest.raises(qlc.KernelBuildError, match="exit -11"):
+        qlc._setup_tiles(lib)
+    monkeypatch.setattr(qlc, "_CHILD_CHECK", "import sys; sys.exit(3)")
+    with pytest.raises(qlc.KernelBuildError, match="other bits"):
+        qlc._setup_tiles(lib)
