@@ -38,11 +38,13 @@ from service.worker.model_runner import ModelRunner
 
 def make_runner(loaded: LoadedModel, quantization: str | None,
                 num_kv_blocks: int = 1024, batch_invariant: bool = False,
-                kv_cache_dtype: str = "auto") -> ModelRunner:
+                kv_cache_dtype: str = "auto", cpu_bf16_compute: str = "auto") -> ModelRunner:
     """A CPU runner over `loaded` with dense (None: the fp32 oracle), "int8", "int4" or
-    "auto" linear layers, and a KV cache of kv_cache_dtype (``--kv-cache-dtype``)."""
+    "auto" linear layers, a KV cache of kv_cache_dtype (``--kv-cache-dtype``) and
+    ``--cpu-bf16-compute`` cpu_bf16_compute."""
     cfg = EngineConfig(model=ModelConfig(quantization=quantization,
-                                         batch_invariant=batch_invariant),
+                                         batch_invariant=batch_invariant,
+                                         cpu_bf16_compute=cpu_bf16_compute),
                        cache=CacheConfig(num_kv_blocks=num_kv_blocks, swap_space=0,
                                          kv_cache_dtype=kv_cache_dtype))
     return ModelRunner(cfg, loaded)
