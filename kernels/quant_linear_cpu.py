@@ -74,7 +74,7 @@ float*`` (q4_0 is q4_1's code with a null ``minv``: the kernel forms its min -8 
 q6_k its sc bytes (and d as ``sup_scale``)."""
 
 __all__ = ["ACT16_VARIANTS", "FORMAT_CODES", "KernelBuildError", "TEST_VARIANTS", "VARIANTS",
-           "act16_isas", "available_isas", "dequantize",
+           "available_isas", "dequantize",
            "entry_point", "format_code", "isa_problem", "library", "quant_linear"]
 
 
@@ -155,12 +155,6 @@ def library(isa: str) -> KernelLibrary:
     return _LIBRARIES[isa]
 
 
-def act16_isas() -> tuple[str, ...]:
-    """The builds that serve the int16-activation formats here (``ACT16_VARIANTS`` first, then
-    ``available_isas()``)."""
-    return (*(isa for isa in ACT16_VARIANTS if isa_problem(isa) is None), *available_isas())
-
-
 def _library(isa: str) -> ctypes.CDLL:
     if isa not in _LIBRARIES:
         raise ValueError(f"isa must be one of {tuple(_LIBRARIES)}, got {isa!r}")
@@ -192,8 +186,8 @@ def quant_linear(x: torch.Tensor, packed: AnyPacked, isa: str,
         packed: the weight, from ``kernels.quant_pack.pack_*``, or a split weight
             (``kernels.packed_parts.PackedParts``: one kernel call a part, each writing its
             columns of y).
-        isa: the build to use: one of ``available_isas()``, for an x16 format one of
-            ``act16_isas()``, or a ``TEST_VARIANTS`` build.
+        isa: the build to use: one of ``available_isas()``, for an x16 format also an
+            ``ACT16_VARIANTS`` build that loads here, or a ``TEST_VARIANTS`` build.
         out: [M, N] float32 with unit stride along N to write into, or None (a new tensor).
 
     Returns:

@@ -98,15 +98,14 @@ def test_thread_counts_give_the_same_bits(isa) -> None:
 
 
 def test_the_tile_builds_are_offered_for_x16_only_and_never_the_emulation() -> None:
-    """``amx`` serves where it loads (the tile state granted, the self-check passed), and only
-    the x16 paths; ``amxemu`` is never among the serving builds."""
-    assert "amxemu" not in qlc.act16_isas() and "amxemu" not in qlc.available_isas()
-    assert "amx" not in qlc.available_isas()
-    assert ("amx" in qlc.act16_isas()) == (qlc.isa_problem("amx") is None)
-    from service.worker.quantization.paths import PATHS
+    """``amx`` serves only the x16 paths, from AMX_MIN_ROWS rows (below, it would time the
+    avx512 code again), and is not a general build; ``amxemu`` is never a serving path."""
+    from service.worker.quantization.paths import AMX_MIN_ROWS, PATHS
 
+    assert "amx" not in qlc.available_isas() and "amxemu" not in qlc.available_isas()
     amx = [name for name in PATHS if name.endswith("-amx")]
     assert amx and all(name.rsplit("-", 1)[0].endswith("x16") for name in amx)
+    assert all(PATHS[name].min_rows == AMX_MIN_ROWS for name in amx)
     assert not any(name.endswith("-amxemu") for name in PATHS)
 
 

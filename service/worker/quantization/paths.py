@@ -523,7 +523,7 @@ def machine_note() -> str:
     """One line on what decides the paths here (the int8 ISA in force, bf16 hardware, C++
     builds)."""
     isas = qlc.available_isas()
-    tiles = [isa for isa in qlc.act16_isas() if isa in qlc.ACT16_VARIANTS]
+    tiles = [isa for isa in qlc.ACT16_VARIANTS if qlc.isa_problem(isa) is None]
     return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; "
             f"{int8_isa().note()}; bf16 {bf16_hardware() or 'emulated (no AMX / AVX512-BF16)'}; "
             f"C++ builds: {', '.join(isas) if isas else 'none'}"
