@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "half.h"
+#include "softmax_exp.h"
 
 namespace {
 
@@ -156,7 +157,7 @@ void attend_chunk(const float* q, const KV* k_cache, const KV* v_cache,
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      sh[t] = std::exp(sh[t] - mx);
+      sh[t] = conveyor::exp_shifted(sh[t] - mx);
       sum += sh[t];
     }
     m[hq] = mx;

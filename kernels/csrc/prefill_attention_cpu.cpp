@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "half.h"
+#include "softmax_exp.h"
 
 namespace {
 
@@ -145,7 +146,7 @@ inline float softmax_block(float* sr, int visible, float& m, float& sum) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int j = 0; j < BS; ++j) {
-    sr[j] = std::exp(sr[j] - m_new);
+    sr[j] = conveyor::exp_shifted(sr[j] - m_new);
     total += sr[j];
   }
   m = m_new;

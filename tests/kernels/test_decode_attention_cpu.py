@@ -4,6 +4,8 @@ argument checks; building it (cache, compiler missing, compile errors)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,6 +102,23 @@ def test_thread_counts_and_many_heads(make_paged_batch, threads) -> None:
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_sharp_scores_match_ref(make_paged_batch) -> None:
+    # scores spread over hundreds: keys 87 or more below a row's max get probability 0 (as in
+    # the reference), without libmvec's scalar path (kernels/csrc/softmax_exp.h)
+    batch = make_paged_batch([(300, 1), (40, 1), (1, 1)], block_size=16, num_kv_heads=2,
+                             group=3, head_dim=64, dtype=torch.float32,
+                             device=torch.device("cpu"), seed=13)
+    batch = dataclasses.replace(batch, q=batch.q * 40)
+    k = batch.kv[0][batch.block_tables[0].to(torch.int64)].reshape(-1, 2, 64)[:300, 0]
+    s = (k @ batch.q[0, 0]) * batch.scale
+    assert float(s.max() - s.min()) > 200
+    out = cpu_paged_attention(batch.q, batch.kv[0], batch.kv[1], _plan(batch), batch.scale)
+    ref = paged_attention_ref(batch.q, batch.kv[0], batch.kv[1], batch.block_tables,
+                              batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernel

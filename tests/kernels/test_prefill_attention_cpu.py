@@ -87,6 +87,42 @@ def test_long_prompt_any_thread_count_same_bits(make_paged_batch, threads) -> No
     assert torch.equal(out, _direct(batch, 1))  # work split over threads: the same bits
 
 
+def _score_range(batch, seq: int = 0) -> float:
+    """max - min of the first query head's scores over sequence `seq`'s context (last row)."""
+    ctx = int(batch.seq_lens[seq])
+    tables = batch.block_tables[seq].to(torch.int64).clamp(min=0)
+    k = batch.kv[0][tables].reshape(-1, batch.kv.shape[3], batch.kv.shape[4])[:ctx, 0].float()
+    row = int(batch.cu_seqlens_q[seq + 1]) - 1
+    s = (k @ batch.q[row, 0].float()) * batch.scale
+    return float(s.max() - s.min())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16_dot", [False, True])
+def test_sharp_scores_match_ref(make_paged_batch, bf16_dot) -> None:
+    # keys that trail a row's max score by more than 87 (their exp below the smallest normal
+    # float, where libmvec's vector exp leaves its fast path): probability 0, as in the
+    # reference, and the other keys' as before (kernels/csrc/softmax_exp.h)
+    if bf16_dot and not pac.bf16_dot_available():
+        pytest.skip("no AVX512-BF16 here")
+    batch = make_paged_batch([(700, 512), (37, 37)], block_size=16, num_kv_heads=2, group=3,
+                             head_dim=64, dtype=torch.float32, device=torch.device("cpu"),
+                             seed=27)
+    batch = dataclasses.replace(batch, q=batch.q * 40)
+    assert _score_range(batch) > 200
+    out = _direct(batch, bf16_dot=bf16_dot)
+    if not bf16_dot:
+        torch.testing.assert_close(out, _ref(batch), atol=1e-4, rtol=1e-4)
+        return
+    # bf16 products: against attention over q, K, V rounded to bf16 (fp64), as above
+    rounded = dataclasses.replace(batch, q=batch.q.bfloat16().double(),
+                                  kv=batch.kv.bfloat16().double())
+    exact = paged_attention_ref(rounded.q, rounded.kv[0], rounded.kv[1], rounded.block_tables,
+                                rounded.seq_lens, rounded.cu_seqlens_q, batch.scale)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
+
+
 @needs_kernel
 def test_mixed_step_through_the_cpp_plan(make_paged_batch) -> None:
     # decodes between prefill chunks: both C++ kernels in one cpu_paged_attention call
