@@ -26,7 +26,8 @@ from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
-"""Compile flags. -ffast-math lets the softmax's exp vectorise (glibc's libmvec); it is given
+"""Compile flags. -ffast-math lets the softmax's exp vectorise (glibc's libmvec, on a clamped
+argument so that no lane takes its scalar path: ``kernels/csrc/softmax_exp.h``); it is given
 to the compile step only (see ``kernels.cpu_build.CppKernel``)."""
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GQA_GROUP = 64

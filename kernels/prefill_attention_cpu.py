@@ -31,8 +31,9 @@ from kernels.cpu_build import CppKernel, KernelBuildError, KernelLibrary, cpu_fl
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
 CXX_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 """Compile flags: -ffast-math lets the softmax's exp vectorise (glibc's libmvec; with
--fno-finite-math-only it stays scalar, a third of the kernel's time); masked keys and the
-first running max use a large finite negative instead of -inf."""
+-fno-finite-math-only it stays scalar, a third of the kernel's time; its argument is clamped
+so that no lane takes libmvec's scalar path: ``kernels/csrc/softmax_exp.h``); masked keys and
+the first running max use a large finite negative instead of -inf."""
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_BLOCK_SIZE = 64
 BF16_DOT_BOUND = 2e-2
