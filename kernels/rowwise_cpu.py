@@ -11,7 +11,7 @@ Each function takes and returns what the ``KernelOps`` field of the same name do
 (``kernels.dispatch``): float32 CPU tensors whose rows have unit-stride elements. The math
 is the references' (``kernels.rms_norm``, ``kernels.rotary``, ``kernels.activation``) up to
 float rounding: RMSNorm's sum of squares runs in vector lanes, not in torch's order; SiLU
-clamps exp's argument at 88 (``silu_mul_row``). ``rotary_qkv`` rotates q and k inside the
+clamps exp's argument to [-87, 87] (``silu_mul_row``). ``rotary_qkv`` rotates q and k inside the
 fused projection, in place.
 """
 

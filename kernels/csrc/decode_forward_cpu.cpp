@@ -143,15 +143,18 @@ inline void rotate_row(float* v, int64_t heads, int64_t D, const float* c, const
 
 // out [I] = silu(gu[:I]) * gu[I:]. Built with all of -ffast-math, so that std::exp is glibc's
 // vector exp (libmvec); under finite-math an overflowing exp is not a clean inf (g = -200 gave
-// NaN), so its argument is clamped at 88 (exp(88) = 1.7e38, finite): for g < -88 silu(g) is
-// then g / 1.7e38 instead of about 0 (-88 e^-88 = -5e-37): below 1e-34 in magnitude for
-// g > -1.7e4, vanishing beside any normal term of the down projection's sums. A NaN g stays
+// NaN), and libmvec takes its fast path only while every lane's |x| < 87.34 (one lane outside:
+// the whole vector through scalar expf, 10x slower on gates of +-100,
+// kernels/csrc/softmax_exp.h). So exp's argument is clamped to [-87, 87]: for g > 87,
+// 1 + exp(-87) rounds to 1 as 1 + exp(-g) does (silu(g) = g, the same bits); for g < -87
+// silu(g) is g / 6.1e37 instead of about 0 (-87 e^-87 = -1.4e-36): below 1e-34 in magnitude
+// for g > -6e3, vanishing beside any normal term of the down projection's sums. A NaN g stays
 // NaN (it is the numerator).
 inline void silu_mul_row(const float* gu, int64_t I, float* out) {
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
     const float g = gu[i];
-    out[i] = g / (1.f + std::exp(std::fmin(-g, 88.f))) * gu[I + i];
+    out[i] = g / (1.f + std::exp(std::fmax(std::fmin(-g, 87.f), -87.f))) * gu[I + i];
   }
 }
 
