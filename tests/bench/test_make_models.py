@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader
 from gguf.quants import dequantize
 
+from service.bench.gguf_blocks import QUANTIZED, random_blocks
 from service.bench.gguf_writer import write_gguf
 from service.bench.gguf_types import FILE_TYPES, tensor_type, use_more_bits
 from service.bench.hf_model import write_hf_folder
@@ -28,6 +29,19 @@ TINY = ModelShape("tiny", "llama", "llama", hidden=256, layers=8, heads=4, kv_he
 TINY_QWEN = ModelShape("tiny-qwen", "qwen2", "qwen2", hidden=256, layers=4, heads=4,
                        kv_heads=2, head_dim=64, ffn=768, tied=False, rope_theta=1e6,
                        rms_eps=1e-6, context=1024, qkv_bias=True)
+
+
+@pytest.mark.parametrize("t", sorted(QUANTIZED, key=lambda t: t.name), ids=lambda t: t.name)
+def test_random_blocks_have_the_std_and_no_common_mean(t):
+    # [256 rows x 1024] of each type: the asked standard deviation, about zero mean, and the
+    # rows' means of either sign (no direction shared by every row: Q4_0's -0.5 d once was)
+    std = 0.03
+    raw = random_blocks(np.random.default_rng(5), t, 256, 1024, std)
+    w = dequantize(raw, t).reshape(256, 1024).astype(np.float64)
+    assert 0.9 * std < w.std() < 1.1 * std
+    assert abs(w.mean()) < 0.01 * std
+    row_means = w.mean(axis=1)
+    assert abs(row_means.mean()) < 0.2 * row_means.std()
 
 
 def test_use_more_bits_layers():
