@@ -101,3 +101,17 @@ def test_types_without_a_kernel_are_served_dequantized_and_mixes_split(tmp_path)
     # Q5_1 has no format of its own but 8-bit K-style blocks
     assert got.native[(0, "o")].fmt == "i8_k"
     assert torch.equal(unpack(got.native[(0, "o")].pack()), got.native[(0, "o")].dequantize())
+
+
+def test_layer_weight_from_blocks_is_gguf_py_s_dequantization(tmp_path) -> None:
+    # LayerWeights.weight (what the bf16 copy and the checks start from) dequantizes a layer
+    # with blocks through our C++ kernel where it builds: the same bits as gguf-py's numpy,
+    # for a single format, a split mix and an 8-bit K-style one
+    from service.worker.quantization.paths import LayerWeights
+
+    _write(tmp_path / "m.gguf", {"blk.0.attn_v": T.Q8_0, "blk.0.attn_output": T.Q5_1,
+                                 "blk.0.ffn_down": T.Q4_0})
+    got = gw.read_linear_weights(str(tmp_path / "m.gguf"), 1, HEADS, KV_HEADS)
+    for key in ((0, "qkv"), (0, "o"), (0, "down"), (0, "gate_up")):
+        blocks = got.native[key]
+        assert torch.equal(LayerWeights(None, None, native=blocks).weight, blocks.dequantize())

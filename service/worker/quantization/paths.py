@@ -212,10 +212,16 @@ class LayerWeights:
 
     @functools.cached_property
     def weight(self) -> torch.Tensor:
-        """[N, K] float32: as given, or the native blocks dequantized."""
+        """[N, K] float32: as given, or the native blocks dequantized: by our C++ kernel from
+        their packed form where they have one and it builds (the same bits as gguf-py's
+        numpy reference, ``tests/kernels/test_gguf_pack.py``; 3B Q4_K_M's layers in about 1 s
+        where the numpy one took 25 s on 2 Zen 4 cores), else by ``native.dequantize()``."""
         if self._weight is not None:
             return self._weight
         assert self.native is not None
+        isa = _dequant_isa() if self.native.fmt is not None else None
+        if isa is not None:
+            return qlc.dequantize(self.packed_native, isa)
         return self.native.dequantize()
 
     @property
