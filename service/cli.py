@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
 
     from service.front.serve import serve
+    from service.front.server import ListenError
 
     runner = asyncio.run
     if a.loop == "uvloop":
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         runner(serve(a))
     except KeyboardInterrupt:
         pass
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ListenError) as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 2
     return 0

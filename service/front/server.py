@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -39,6 +40,11 @@ from service.front.ws.uvicorn_protocol import ws_protocol
 
 log = structlog.get_logger(__name__)
 
+
+
+class ListenError(OSError):
+    """The front could not bind its host and port (``FrontServer.start``): the message says
+    which and why; the command line prints it as one line."""
 
 class SignalFreeServer(uvicorn.Server):
     """uvicorn's server without its signal handling: the process's own code owns SIGTERM
@@ -112,7 +118,15 @@ class FrontServer:
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.port))
+        try:
+            sock.bind((c.host, c.port))
+        except OSError as e:
+            sock.close()
+            hint = (" (another server listens there: choose another --port, or --port 0 for a "
+                    "free one)" if e.errno == errno.EADDRINUSE else "")
+            err = ListenError(f"cannot listen on {c.host}:{c.port}: {e.strerror}{hint}")
+            err.errno = e.errno
+            raise err from e
         sock.listen(2048)
         sock.setblocking(False)
         self._sock = sock
