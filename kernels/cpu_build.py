@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import re
 import shlex
@@ -31,6 +32,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 LINK_FLAGS = ("-shared", "-fopenmp")
 
@@ -190,6 +193,8 @@ def build(kernel: CppKernel, cxx: str) -> Path:
     target = out_dir / f"{kernel.name}-{key}.so"
     if target.exists():
         return target
+    log.info("compiling the C++ kernel %s (once per machine and source; cached in %s)",
+             kernel.name, out_dir)
     # Build beside the target and rename: concurrent builders (several servers) never
     # load a half-written library.
     try:

@@ -465,6 +465,10 @@ def choose_plan(layers: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | N
                         return [lambda f=f: f(x) for f in fns]
 
                     scales = {p.name: sample_of(lw, p)[1] if sampled else 1.0 for p in missing}
+                    if not retimed:
+                        log.info("timing the linear kernels on this model's shapes (not in "
+                                 "the timing cache: a first start on these shapes here; kept "
+                                 "for the next)")
                     retimed.append(f"{cls} {n}x{k} at {rows} rows"
                                    + (" (on a sample of its output channels)"
                                       if any(v != 1.0 for v in scales.values()) else ""))

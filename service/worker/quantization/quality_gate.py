@@ -241,12 +241,15 @@ def run_gate(linears: Sequence[object], score: Score, tokens: int,
     buckets = bf16_buckets(linears)
     if not buckets:
         return []
+    log.info("quality gate: scoring 16-bit compute for rows %s against the exact plan over %d "
+             "tokens (once per model, machine and version: the verdict is kept)",
+             ", ".join(bucket_rows(b) for b in buckets), tokens)
     with exact(linears):
         ref = score(max(BUCKETS))
     results = []
     for b in buckets:
         if bucket_index(min(BUCKETS[b], tokens - 1)) != b:
-            log.warning("16-bit compute refused for rows %s: the quality gate's text (%d "
+            log.info("16-bit compute refused for rows %s: the quality gate's text (%d "
                         "tokens, capped by the KV cache) cannot make such calls",
                         bucket_rows(b), tokens)
             drop_bucket(linears, b)
@@ -254,7 +257,7 @@ def run_gate(linears: Sequence[object], score: Score, tokens: int,
         r = compare(b, ref, score(BUCKETS[b]))
         results.append(r)
         if not r.passes(gate):
-            log.warning("16-bit compute refused for %s by the quality gate (needs top-1 >= "
+            log.info("16-bit compute refused for %s by the quality gate (needs top-1 >= "
                         "%.1f%% and perplexity within %.1f%%): that bucket keeps its exact "
                         "path", r.describe(), 100 * gate.min_top1,
                         100 * gate.max_perplexity_change)
