@@ -292,6 +292,8 @@ class Admission:
         if need > self.num_kv_blocks:
             raise ContextLengthExceeded(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks "
-                f"but the whole cache has {self.num_kv_blocks}", param="$.params.max_tokens",
+                f"({need * self.block_size} tokens) but the whole cache has {self.num_kv_blocks} "
+                f"({self.num_kv_blocks * self.block_size} tokens; the server's "
+                f"--kv-cache-memory sets its size)", param="$.params.max_tokens",
                 request_id=client_id,
                 prompt_alone=-(-(n + 1) // self.block_size) > self.num_kv_blocks)

@@ -155,6 +155,11 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.kv_bytes_per_block = per_block
+        if self.num_blocks * cc.block_size < self.max_model_len:
+            log.info("the KV cache holds %d tokens, fewer than the context served (%d, "
+                     "max_model_len): a request needing more is refused; --kv-cache-memory "
+                     "raises the first, --max-model-len lowers the second",
+                     self.num_blocks * cc.block_size, self.max_model_len)
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
         if self.quantization is not None or mc.batch_invariant:

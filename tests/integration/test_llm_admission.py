@@ -21,4 +21,7 @@ def test_a_prompt_larger_than_the_kv_pool_raises_at_once(loaded_model):
     with pytest.raises(ContextLengthExceeded, match="KV blocks") as e:
         llm.generate([prompt], {"max_tokens": 4})
     assert time.monotonic() - t0 < 2 and e.value.param == "$.params.max_tokens"
+    assert "19 KV blocks (304 tokens)" in str(e.value)  # in tokens too, and what sizes it
+    assert "the whole cache has 4 (64 tokens" in str(e.value)
+    assert "--kv-cache-memory" in str(e.value)
     assert len(llm.generate_greedy([prompt[:40]], max_tokens=4)[0]) <= 4
