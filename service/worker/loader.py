@@ -120,6 +120,9 @@ def _source(path: str) -> tuple[str, dict]:
         return str(p.parent), {"gguf_file": p.name}
     if p.is_dir() and (p / "config.json").is_file():
         return str(p), {}
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (--model takes a .gguf file "
+                                "or a folder with config.json)")
     raise FileNotFoundError(f"{path}: neither a .gguf file nor a folder with config.json")
 
 
