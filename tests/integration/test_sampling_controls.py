@@ -221,6 +221,7 @@ def test_media_type_and_nesting(server):
                     {"Content-Type": "text/plain"}):
         r = httpx.post(url, content=body, headers=headers)
         assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert r.json()["error"]["type"] == "invalid_request_error"  # the client's error
     ok = httpx.post(url, content=body, headers={"Content-Type": "application/json; charset=utf-8"})
     assert ok.status_code == 200, ok.text
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"

@@ -34,7 +34,7 @@ from protocol import Error, Overloaded, ProtocolError, status_of
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+               415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
 """OpenAI's error `type` for each HTTP status (the HTTP API's and the Responses API's)."""
 SHUTDOWN_RETRY_AFTER_S = 5
 
@@ -53,7 +53,8 @@ class OpenAIError(Exception):
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
-        kind = ERROR_TYPES.get(self.status, "server_error")
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if 400 <= self.status < 500
+                               else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}
 
