@@ -124,7 +124,9 @@ class Admission:
             ids = tokenize()  # nothing to tokenize: a range check, at once
         else:
             if self.pending >= self.max_pending:
-                raise Overloaded("too many prompts are being tokenized", request_id=client_id,
+                raise Overloaded(f"too many prompts are being tokenized ({self.pending} at "
+                                 f"once: the server's --max-waiting-requests); retry later",
+                                 request_id=client_id,
                                  retry_after_ms=self.retry_after_ms())
             self.pending += 1
             try:
