@@ -41,10 +41,10 @@ from service.front.ws.uvicorn_protocol import ws_protocol
 log = structlog.get_logger(__name__)
 
 
-
 class ListenError(OSError):
     """The front could not bind its host and port (``FrontServer.start``): the message says
     which and why; the command line prints it as one line."""
+
 
 class SignalFreeServer(uvicorn.Server):
     """uvicorn's server without its signal handling: the process's own code owns SIGTERM

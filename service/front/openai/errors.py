@@ -34,7 +34,8 @@ from protocol import Error, Overloaded, ProtocolError, status_of
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+               415: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable", 500: "server_error"}
 """OpenAI's error `type` for each HTTP status (the HTTP API's and the Responses API's)."""
 SHUTDOWN_RETRY_AFTER_S = 5
 

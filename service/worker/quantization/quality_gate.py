@@ -250,16 +250,16 @@ def run_gate(linears: Sequence[object], score: Score, tokens: int,
     for b in buckets:
         if bucket_index(min(BUCKETS[b], tokens - 1)) != b:
             log.info("16-bit compute refused for rows %s: the quality gate's text (%d "
-                        "tokens, capped by the KV cache) cannot make such calls",
-                        bucket_rows(b), tokens)
+                     "tokens, capped by the KV cache) cannot make such calls",
+                     bucket_rows(b), tokens)
             drop_bucket(linears, b)
             continue
         r = compare(b, ref, score(BUCKETS[b]))
         results.append(r)
         if not r.passes(gate):
             log.info("16-bit compute refused for %s by the quality gate (needs top-1 >= "
-                        "%.1f%% and perplexity within %.1f%%): that bucket keeps its exact "
-                        "path", r.describe(), 100 * gate.min_top1,
-                        100 * gate.max_perplexity_change)
+                     "%.1f%% and perplexity within %.1f%%): that bucket keeps its exact "
+                     "path", r.describe(), 100 * gate.min_top1,
+                     100 * gate.max_perplexity_change)
             drop_bucket(linears, b)
     return results
