@@ -56,7 +56,8 @@ def test_bf16_serves_the_block_layers_many_rows_and_the_oracles_tokens(
         lin = layer.gate_up
         assert isinstance(lin, DispatchLinear) and isinstance(lin.fns[3], BF16Linear)
         assert not isinstance(lin.fns[0], BF16Linear)  # few rows: the blocks themselves
-    line = next(r.getMessage() for r in caplog.records if "16-bit compute" in r.getMessage())
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("16-bit compute"))
     assert "rows 181+: qkv, o, gate_up, down" in line and "quality gate" in line, line
     fp32 = make_runner(loaded_model, None, 256)
     ids = tokenizer.encode(TEXT * 4)
