@@ -146,7 +146,7 @@ inline void rotate_row(float* v, int64_t heads, int64_t D, const float* c, const
 // NaN), and libmvec takes its fast path only while every lane's |x| < 87.34 (one lane outside:
 // the whole vector through scalar expf, 10x slower on gates of +-100,
 // kernels/csrc/softmax_exp.h). So exp's argument is clamped to [-87, 87]: for g > 87,
-// 1 + exp(-87) rounds to 1 as 1 + exp(-g) does (silu(g) = g, the same bits); for g < -87
+// 1 + exp(-87) rounds to 1 as 1 + exp(-g) did (the same bits as before the clamp); for g < -87
 // silu(g) is g / 6.1e37 instead of about 0 (-87 e^-87 = -1.4e-36): below 1e-34 in magnitude
 // for g > -6e3, vanishing beside any normal term of the down projection's sums. A NaN g stays
 // NaN (it is the numerator).

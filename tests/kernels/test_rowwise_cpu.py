@@ -44,10 +44,7 @@ def test_silu_and_mul_matches_the_reference(rows) -> None:
     x[0, 0], x[0, 1] = -200.0, 100.0  # exp's argument clamped, still silu's value
     # a whole vector of gates past +-87 (clamped on both sides), beside ordinary ones
     x[-1, :32] = torch.linspace(-300.0, 300.0, 32)
-    out = rw.silu_and_mul(x)
-    torch.testing.assert_close(out, kernels.silu_and_mul_ref(x))
-    big = x[-1, :32] > 87
-    assert torch.equal(out[-1, :32][big], (x[-1, :32] * x[-1, 40:72])[big])  # silu(g) = g
+    torch.testing.assert_close(rw.silu_and_mul(x), kernels.silu_and_mul_ref(x))
 
 
 @pytest.mark.parametrize("rows", [1, 16])
