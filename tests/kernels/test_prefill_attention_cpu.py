@@ -87,6 +87,18 @@ def test_long_prompt_any_thread_count_same_bits(make_paged_batch, threads) -> No
     assert torch.equal(out, _direct(batch, 1))  # work split over threads: the same bits
 
 
+def _assert_within_bf16_rounding(batch, out: torch.Tensor) -> None:
+    """`out` of bf16 products against attention over q, K, V rounded to bf16 (fp64): only the
+    probabilities' rounding (2^-8 relative) and fp32 sums remain, within 2^-7 of the largest
+    |v|."""
+    rounded = dataclasses.replace(batch, q=batch.q.bfloat16().double(),
+                                  kv=batch.kv.bfloat16().double())
+    exact = paged_attention_ref(rounded.q, rounded.kv[0], rounded.kv[1], rounded.block_tables,
+                                rounded.seq_lens, rounded.cu_seqlens_q, batch.scale)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
+
+
 def _score_range(batch, seq: int = 0) -> float:
     """max - min of the first query head's scores over sequence `seq`'s context (last row)."""
     ctx = int(batch.seq_lens[seq])
@@ -114,13 +126,7 @@ def test_sharp_scores_match_ref(make_paged_batch, bf16_dot) -> None:
     if not bf16_dot:
         torch.testing.assert_close(out, _ref(batch), atol=1e-4, rtol=1e-4)
         return
-    # bf16 products: against attention over q, K, V rounded to bf16 (fp64), as above
-    rounded = dataclasses.replace(batch, q=batch.q.bfloat16().double(),
-                                  kv=batch.kv.bfloat16().double())
-    exact = paged_attention_ref(rounded.q, rounded.kv[0], rounded.kv[1], rounded.block_tables,
-                                rounded.seq_lens, rounded.cu_seqlens_q, batch.scale)
-    err = (out.double() - exact).abs().max().item()
-    assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
+    _assert_within_bf16_rounding(batch, out)
 
 
 @needs_kernel
@@ -215,14 +221,7 @@ def test_bf16_dot_within_its_bound(make_paged_batch, block_size, head_dim, num_k
     out = _direct(batch, bf16_dot=True)
     torch.testing.assert_close(out, _ref(batch), atol=pac.BF16_DOT_BOUND, rtol=pac.BF16_DOT_BOUND)
     assert not torch.equal(out, _direct(batch))  # the bf16 products ran
-    # Against attention over q, K, V rounded to bf16 (fp64), only the probabilities' rounding
-    # (2^-8 relative) and fp32 sums remain: within 2^-7 of the largest |v|.
-    rounded = dataclasses.replace(batch, q=batch.q.bfloat16().double(),
-                                  kv=batch.kv.bfloat16().double())
-    exact = paged_attention_ref(rounded.q, rounded.kv[0], rounded.kv[1], rounded.block_tables,
-                                rounded.seq_lens, rounded.cu_seqlens_q, batch.scale)
-    err = (out.double() - exact).abs().max().item()
-    assert err <= 2.0 ** -7 * batch.kv[1].float().abs().max().item(), err
+    _assert_within_bf16_rounding(batch, out)
 
 
 @needs_bf16
