@@ -109,8 +109,9 @@ class ModelConfig:
     device: str = option("cpu", "cpu, cuda, cuda:N or auto")
     attention_backend: str = option("auto", "kernels: auto = Triton on CUDA, torch elsewhere",
                                     choices=("auto", "triton", "torch"))
-    max_model_len: int | None = option(None, "context cap in tokens, prompt + output",
-                                       metavar="TOKENS")
+    max_model_len: int | None = option(
+        None, "context cap in tokens, prompt + output (default: the model's, or what the KV "
+        "cache holds where that is less and --num-kv-blocks is unset)", metavar="TOKENS")
     quantization: str | None = option(
         "auto", "linear layers (CPU, float32): auto = the checkpoint's own weights (a GGUF "
         "file's Q4_0/Q4_1/Q8_0 blocks on our kernels, other layers dense), each layer and row "

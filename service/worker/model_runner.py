@@ -155,11 +155,19 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.kv_bytes_per_block = per_block
-        if self.num_blocks * cc.block_size < self.max_model_len:
-            log.info("the KV cache holds %d tokens, fewer than the context served (%d, "
-                     "max_model_len): a request needing more is refused; --kv-cache-memory "
-                     "raises the first, --max-model-len lowers the second",
-                     self.num_blocks * cc.block_size, self.max_model_len)
+        kv_tokens = self.num_blocks * cc.block_size
+        if kv_tokens < self.max_model_len:
+            if mc.max_model_len or cc.num_kv_blocks:  # set: served as asked, said once
+                log.info("the KV cache holds %d tokens, fewer than the context served (%d, "
+                         "max_model_len): a request needing more is refused; "
+                         "--kv-cache-memory raises the first, --max-model-len lowers the "
+                         "second", kv_tokens, self.max_model_len)
+            else:  # both defaults: serve (and advertise) the context the cache can hold
+                log.info("max_model_len %d: what the KV cache (%.1f GiB) holds, below the "
+                         "model's context (%d); --kv-cache-memory raises it, --max-model-len "
+                         "sets it", kv_tokens, per_block * self.num_blocks / 2**30,
+                         self.max_model_len)
+                self.max_model_len = kv_tokens
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
         self.linear_plan: LinearPlan | None = None
         if self.quantization is not None or mc.batch_invariant:
@@ -282,7 +290,7 @@ class ModelRunner:
 
     def describe(self) -> dict[str, str]:
         """What the engine_ready log line says about this runner."""
-        return {"device": str(self.device), "kernels": self.ops.name,
+        return {"device": str(self.device), "attention_backend": self.ops.name,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "quantization": self.quantization or "none",

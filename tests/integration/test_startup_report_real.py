@@ -29,6 +29,9 @@ async def _ready_and_metrics(loaded_model, quantization):
 async def test_unquantized_engine_counts_every_linear_layer_as_fp32(loaded_model):
     ready, layers, name, text = await _ready_and_metrics(loaded_model, None)
     assert ready["linear_layers"] == f"fp32={4 * layers + 1}"
+    # the op backend under --attention-backend's name (not a "kernels" field that read as
+    # contradicting decode_kernel)
+    assert ready["attention_backend"] == "torch" and "kernels" not in ready
     assert (f'conveyor:linear_layers{{format="fp32",model_name="{name}"}} '
             f"{float(4 * layers + 1)}") in text
 
