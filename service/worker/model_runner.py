@@ -34,6 +34,7 @@ from service.worker.memory_fit import (MemoryNeed, ModelDoesNotFit, bf16_copy_fi
 from service.worker.model import LlamaModel
 from service.worker.quantization.apply import apply_linear_plan
 from service.worker.quantization.census import layer_formats
+from service.worker.quantization.gate_cache import gate_model_for
 from service.worker.quantization.paths import bf16_hardware
 from service.worker.quantization.plan import LinearPlan
 from service.worker.sampling_step import SamplingStep
@@ -181,7 +182,8 @@ class ModelRunner:
                 gguf, fused_rows=16 if fusing else 0, bf16=self._bf16_compute,
                 round_blocks=self._bf16_blocks_fit,
                 gate=(lambda: gate_inputs(self)) if self.device.type == "cpu" else None,
-                gate_model=None if loaded is not None else mc.model or default_model_path())
+                gate_model=gate_model_for(mc.model, default_model_path(),
+                                          self.loaded.gguf_path, loaded is not None))
             if self.device.type == "cpu":  # before the fused forward keeps their addresses
                 moved = packed_weights_on_huge_pages(self.model)
                 log.debug("decode-bucket packed weights on huge pages: %.1f MB", moved / 1e6)

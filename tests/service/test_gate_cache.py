@@ -10,9 +10,9 @@ import pytest
 
 from service.worker.quantization import apply as apply_module
 from service.worker.kv_fingerprint import model_identity
-from service.worker.quantization.gate_cache import (gate_cache_key, load_verdict,
-                                                    refused_before, remember_refusal,
-                                                    store_verdict)
+from service.worker.quantization.gate_cache import (gate_cache_key, gate_model_for,
+                                                    load_verdict, refused_before,
+                                                    remember_refusal, store_verdict)
 from service.worker.quantization.quality_gate import GateResult, QualityGate
 from tests.service.test_bf16_gate import X16, _fake_model, _score_by_paths
 
@@ -121,3 +121,18 @@ def test_passes_and_refusals_for_too_short_a_text_are_not_remembered(tmp_path) -
     assert refused_before(path) is None
     remember_refusal(path, [GateResult(3, 1000, 0.9, 12.0, 12.0)])
     assert "top-1 90.0% of 1000" in refused_before(path)
+
+
+def test_the_verdict_is_keyed_to_a_given_model_only_when_it_is_the_named_file(tmp_path):
+    named = _model_file(tmp_path)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"other blocks")
+    # the runner loads it itself: the named model, else the default
+    assert gate_model_for(named, "default.gguf", None, given=False) == named
+    assert gate_model_for(None, "default.gguf", None, given=False) == "default.gguf"
+    # a caller's loaded model: cached only where it came from the named file
+    assert gate_model_for(named, "default.gguf", named, given=True) == named
+    assert gate_model_for(named, "default.gguf", str(other), given=True) is None
+    assert gate_model_for(None, "default.gguf", named, given=True) is None
+    assert gate_model_for(named, "default.gguf", None, given=True) is None  # a folder, a test's
+    assert gate_model_for(str(tmp_path / "gone.gguf"), "d", named, given=True) is None

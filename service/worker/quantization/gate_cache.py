@@ -72,6 +72,24 @@ def _key(model: str, gate: QualityGate, *parts: str) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def gate_model_for(model: str | None, default: str, loaded_from: str | None,
+                   given: bool) -> str | None:
+    """The model path whose file keys the gate's verdict on disk, or None (nothing cached):
+    the served model (`model`, else `default`) when the runner loads it itself (`given`
+    False); when a caller hands it a loaded model (tests, benchmarks), only where `model` was
+    named and that model was loaded from the same file (`loaded_from`, its GGUF path):
+    a benchmark's runners over one file then score the gate once a machine, while a test's
+    checkpoint, built or changed in memory, is always scored."""
+    if not given:
+        return model or default
+    if model is None or loaded_from is None:
+        return None
+    try:
+        return model if os.path.samefile(model, loaded_from) else None
+    except OSError:
+        return None
+
+
 def gate_cache_key(model: str, linears: Sequence[object], tokens: int,
                    gate: QualityGate = QualityGate()) -> str | None:
     """The verdict's key: `_key` with the plan's bf16 layout and the text's length."""
