@@ -9,6 +9,7 @@ The parser is `service.engine_args.build_parser`.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -59,7 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ListenError) as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 2
-    return 0
+    # A clean stop: the engine and its sockets are closed and "conveyor: stopped" printed.
+    # The interpreter's teardown would then collect the whole start-up heap, unfrozen for it
+    # (service/gc_heap.py), before the shell or a supervisor saw the process end: SIGTERM to
+    # exit took 1.14 s with the default model, 0.24 s this way (2-core Zen 4, 2026-12-07).
+    # Nothing is left to run: leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
