@@ -305,6 +305,8 @@ class SchedulerConfig:
 
     max_num_seqs: most sequences in one step (decodes and prefill chunks).
     max_num_batched_tokens: most tokens in one step (the token budget).
+    long_prefill_token_threshold: while requests wait to start, the most tokens of a step
+        one prompt still prefilling takes (None: half the budget; 0: no cap).
     max_waiting_requests: admission queue bound; beyond it requests get `overloaded`.
     preemption_mode: "auto" (swap or recompute by the cost model), "swap" or "recompute".
     scheduling_policy: fcfs, priority, sjf, mlfq or deadline (service/policy.py).
@@ -317,6 +319,11 @@ class SchedulerConfig:
     max_num_seqs: int = option(32, "most sequences in one step", metavar="N")
     max_num_batched_tokens: int = option(
         512, "token budget of one step: decodes plus prefill chunks", metavar="TOKENS")
+    long_prefill_token_threshold: int | None = option(
+        None, "while requests wait to start, a prompt still prefilling takes at most this "
+        "many tokens of a step, so that they start beside it (default: half the token "
+        "budget; 0: no cap, a long prompt's chunks take the whole budget until it is done)",
+        metavar="TOKENS")
     max_waiting_requests: int = option(
         1024, "admission queue bound; beyond it requests get `overloaded`", metavar="N")
     preemption_mode: str = option(
@@ -341,6 +348,9 @@ class SchedulerConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1 tokens",
                self.max_num_batched_tokens)
+        _check(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold
+               >= 0, "long_prefill_token_threshold", ">= 0 tokens",
+               self.long_prefill_token_threshold)
         _check(self.max_waiting_requests >= 1, "max_waiting_requests", ">= 1",
                self.max_waiting_requests)
         _check(self.preemption_mode in ("auto", "swap", "recompute"), "preemption_mode",

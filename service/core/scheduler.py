@@ -54,6 +54,8 @@ class _Step:
     preempted: list[str] = field(default_factory=list)
     ops: BlockOps = field(default_factory=BlockOps)
     short_of_blocks: bool = False  # a preemption freed blocks: admit nothing new this step
+    # prefill chunks held to `_prefill_cap`: (index in sequences, request, tokens given)
+    capped: list[tuple[int, Request, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -180,6 +182,7 @@ class Scheduler:
                 disk.start_loads(candidates, self.kv.full_block_hashes)
             if candidates:
                 self._schedule_waiting(candidates, st, now)
+        self._top_up_capped(st)
         self.num_schedule_calls += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         self._step = None
@@ -217,11 +220,30 @@ class Scheduler:
                 return
             self._preempt(victim, st)
 
+    def _prefill_cap(self, now: float) -> int | None:
+        """The most tokens a running request's prefill chunk takes this step, or None (no
+        cap): `long_prefill_token_threshold` (default half the budget) while a waiting
+        request may start this step. Without it a long prompt's chunks took every step's
+        whole budget until it was done, and a short request that arrived meanwhile waited
+        for all of them (an 8,100-token prompt held a 37-token chat's first token 10.4 s on
+        2 cores); with it the newcomer's prompt goes into the next step beside the long
+        one's chunk, which gets back what the newcomers leave (`_top_up_capped`) and the
+        whole budget when none waits. (vLLM's option of this name caps a long prompt's
+        chunks always.)"""
+        cap = self.config.long_prefill_token_threshold
+        if cap is None:
+            cap = max(1, self.config.max_num_batched_tokens // 2)
+        if cap == 0 or not self.waiting or not self.admitting or \
+                len(self.running) >= self.config.max_num_seqs:
+            return None
+        return cap if self._admission_candidates(now) else None
+
     def _schedule_running(self, st: _Step, now: float) -> None:
         decodes, chunks = [], []
         for r in self.running:
             (decodes if len(r.prompt_token_ids) + len(r.output_token_ids)
              - r.num_computed_tokens == 1 else chunks).append(r)
+        cap = self._prefill_cap(now) if chunks else None
         running = RequestStatus.RUNNING
         owns_next_slot = self.kv.owns_next_slot
         for req in decodes + chunks:  # decodes first
@@ -245,6 +267,9 @@ class Scheduler:
                 continue
             n = min(len(req.prompt_token_ids) + len(req.output_token_ids)
                     - req.num_computed_tokens, st.budget)
+            capped = cap is not None and n > cap  # a prefill chunk, while others wait
+            if capped:
+                n = cap
             while not self.kv.allocate(req, n, st.ops):
                 victim = self._pick_victim(st, now)
                 self._preempt(victim, st)
@@ -252,7 +277,23 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
+                if capped:
+                    st.capped.append((len(st.sequences), req, n))
                 self._emit(req, n, st)
+
+    def _top_up_capped(self, st: _Step) -> None:
+        """Give the budget the waiting requests left unused (they could not all start: the
+        sequence cap, the KV blocks) back to the prefill chunks `_prefill_cap` held back, in
+        order, where their blocks can be had without preempting anyone."""
+        for i, req, n in st.capped:
+            if st.budget == 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted since: nothing to extend
+            more = min(req.num_tokens - req.num_computed_tokens - n, st.budget)
+            if more > 0 and self.kv.allocate(req, n + more, st.ops):
+                st.sequences[i] = self._sequence(req, n + more)
+                st.budget -= more
 
     def _schedule_waiting(self, order: list[Request], st: _Step, now: float) -> None:
         for req in order:
@@ -316,6 +357,12 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------
     def _emit(self, req: Request, n: int, st: _Step) -> None:
+        st.sequences.append(self._sequence(req, n))
+        st.scheduled.add(req.request_id)
+        st.budget -= n
+
+    def _sequence(self, req: Request, n: int) -> ScheduledSequence:
+        """The step's entry for the next n tokens of `req` (its blocks already allocated)."""
         start = req.num_computed_tokens
         num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
         if n == 1 and start + 1 == num_tokens:  # a decode: its last sampled token
@@ -328,12 +375,9 @@ class Scheduler:
             not req.output_token_ids else None
         # positional: this runs for every sequence of every step
         samples = start + n == num_tokens
-        st.sequences.append(ScheduledSequence(req.request_id, token_ids, start, req.block_ids,
-                                              samples, req.params, prompt,
-                                              req.token_history if samples else None,
-                                              req.constraint))
-        st.scheduled.add(req.request_id)
-        st.budget -= n
+        return ScheduledSequence(req.request_id, token_ids, start, req.block_ids, samples,
+                                 req.params, prompt, req.token_history if samples else None,
+                                 req.constraint)
 
     def _pick_victim(self, st: _Step, now: float) -> Request:
         """The policy's victim among running requests not yet in this step."""

@@ -208,3 +208,53 @@ def test_copy_on_write_of_a_shared_partial_block():
     assert a.block_ids == [0, 2] and b.block_ids == [0, 1]
     s.update_from_output(out, {"a": 7, "b": 7})
     s.check_integrity()
+
+
+def _long_then_short(threshold=None, max_num_seqs=8):
+    """A 40-token prompt one step into its prefill (budget 8), then a 3-token one arrives."""
+    pool = KVBlockPool(32, 4, True)
+    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=8,
+                                  long_prefill_token_threshold=threshold),
+                  pool, max_model_len=1024,
+                  cache=CacheConfig(kv_watermark_low=1.0, kv_watermark_high=1.0,
+                                    kv_watermark_critical=1.0))
+    s.add_request(req("long", 40, 0.0))
+    assert step(s) == [("long", 8, 0, False)]  # alone: the whole budget
+    s.add_request(req("short", 3, 1.0, base=500))
+    return s
+
+
+def test_a_prompt_that_arrives_during_a_long_prefill_starts_beside_it():
+    s = _long_then_short()
+    # while "short" waits, the long prompt's chunk takes half the budget, "short" its 3
+    # tokens, and the one token left goes back to the long chunk
+    assert step(s) == [("long", 5, 8, False), ("short", 3, 0, True)]
+    # nothing waits any more: the whole budget again, beside short's decode
+    assert step(s) == [("short", 1, 3, True), ("long", 7, 13, False)]
+
+
+def test_threshold_sets_the_cap_and_zero_keeps_first_come_first_served():
+    assert step(_long_then_short(threshold=5)) == [("long", 5, 8, False), ("short", 3, 0, True)]
+    s = _long_then_short(threshold=0)
+    assert step(s) == [("long", 8, 8, False)]  # no cap: the newcomer waits for the budget
+    assert [r.request_id for r in s.waiting] == ["short"]
+
+
+def test_no_cap_when_the_newcomer_could_not_start():
+    s = _long_then_short(max_num_seqs=1)  # the sequence cap: "short" cannot start now
+    assert step(s) == [("long", 8, 8, False)]
+
+
+def test_budget_the_newcomers_leave_goes_back_to_the_held_chunk():
+    # "short" waits but cannot start (no KV block free for it): the long chunk gets the
+    # whole budget back rather than running at the cap while the rest of the step idles
+    pool = KVBlockPool(2, 8, True)  # 16 tokens of KV in all, blocks of 8
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), pool,
+                  max_model_len=1024, cache=CacheConfig(kv_watermark_low=1.0,
+                                                       kv_watermark_high=1.0,
+                                                       kv_watermark_critical=1.0))
+    s.add_request(req("long", 14, 0.0))
+    assert step(s) == [("long", 8, 0, False)]
+    s.add_request(req("short", 9, 1.0, base=500))  # the capped chunk takes the last block
+    assert step(s) == [("long", 6, 8, True)]  # capped at 4, then topped up to its end
+    assert [r.request_id for r in s.waiting] == ["short"]
