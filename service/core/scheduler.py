@@ -234,7 +234,8 @@ class Scheduler:
         if cap is None:
             cap = max(1, self.config.max_num_batched_tokens // 2)
         if cap == 0 or not self.waiting or not self.admitting or \
-                len(self.running) >= self.config.max_num_seqs:
+                len(self.running) >= self.config.max_num_seqs or \
+                self.config.batching != "continuous":  # a static batch admits no newcomer
             return None
         return cap if self._admission_candidates(now) else None
 
