@@ -237,7 +237,10 @@ class Scheduler:
                 len(self.running) >= self.config.max_num_seqs or \
                 self.config.batching != "continuous":  # a static batch admits no newcomer
             return None
-        return cap if self._admission_candidates(now) else None
+        # whether any may start (continuous: all, but between --schedule-interval steps);
+        # unsorted: the policy's order does not change whether the list is empty
+        return cap if self.batching.candidates(self.waiting, len(self.running),
+                                               self.num_schedule_calls, now) else None
 
     def _schedule_running(self, st: _Step, now: float) -> None:
         decodes, chunks = [], []
