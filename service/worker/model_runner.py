@@ -166,7 +166,7 @@ class ModelRunner:
             else:  # both defaults: serve (and advertise) the context the cache can hold
                 log.info("max_model_len %d: what the KV cache (%.1f GiB) holds, below the "
                          "model's context (%d); --kv-cache-memory raises it, --max-model-len "
-                         "sets it", kv_tokens, per_block * self.num_blocks / 2**30,
+                         "sets it", kv_tokens, self.kv_cache_bytes / 2**30,
                          self.max_model_len)
                 self.max_model_len = kv_tokens
         # Linear kernels: chosen by measurement here (quantization, batch invariance).
