@@ -303,14 +303,51 @@ def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monk
             now[0] += seconds
         return run
 
-    calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.01)] * 2}
+    calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.003)] * 2}
     ms = choice.measure_ms(calls, rounds=3)
-    assert ms == {"a": pytest.approx(0.5), "slow": pytest.approx(10.0)}
-    # round 0: each path's first calls (a 10 ms call ends its path's round)
-    assert order[:3] == ["a", "a", "slow"]
-    assert order.count("slow") == 2  # more than 4x behind after round 1: not timed again
+    assert ms == {"a": pytest.approx(0.5), "slow": pytest.approx(3.0)}
+    # round 0: each path's first two calls; in round 1 "slow"'s second call ends its round
+    # (5 ms passed)
+    assert order[:4] == ["a", "a", "slow", "slow"]
+    assert order.count("slow") == 4  # more than 4x behind after round 1: not timed again
+    # over 8x behind after round 0: timed once
+    order.clear()
+    ms = choice.measure_ms({"a": [call("a", 0.001)] * 2, "hopeless": [call("hopeless", 0.009)]},
+                           rounds=3)
+    assert ms["hopeless"] == pytest.approx(9.0) and order.count("hopeless") == 1
     assert order.count("a") > 4
     assert BUCKETS == (1, 16, 64, 512)
+
+
+def test_measure_ms_drops_paths_behind_after_two_rounds_and_keeps_to_its_budget(
+        monkeypatch) -> None:
+    """After round 2 a path over BEHIND x the fastest is not timed again; from round 3 on,
+    no round starts once the measurement took budget_s (fake clock, as above)."""
+    now = [0.0]
+    monkeypatch.setattr(choice, "_clock", lambda: now[0])
+    order: list[str] = []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            now[0] += seconds
+        return run
+
+    # long calls (one a round each): "near" is 1.2x the fastest, "behind" 2x
+    calls = {"fast": [call("fast", 0.030)], "near": [call("near", 0.036)],
+             "behind": [call("behind", 0.060)]}
+    ms = choice.measure_ms(calls, rounds=5, budget_s=0.25)
+    assert ms == {"fast": pytest.approx(30.0), "near": pytest.approx(36.0),
+                  "behind": pytest.approx(60.0)}
+    assert order.count("behind") == 3  # rounds 0-2, then more than BEHIND x behind
+    # rounds 0-2 took 0.378 s > budget_s: no fourth round
+    assert order.count("fast") == 3 and order.count("near") == 3
+    # short calls: the budget is not reached and all six rounds run; 1.2x is kept
+    order.clear()
+    calls = {"fast": [call("fast", 0.001)], "near": [call("near", 0.0012)]}
+    choice.measure_ms(calls, rounds=5, round_s=0.0005, budget_s=0.25)
+    assert order.count("fast") == 6 and order.count("near") == 6
+    assert choice.BEHIND < choice.FAR_BEHIND and choice.BEHIND > choice.FUSION_SLACK
 
 
 def _q4_layer(n: int, k: int):
