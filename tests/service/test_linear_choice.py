@@ -319,7 +319,7 @@ def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monk
     assert BUCKETS == (1, 16, 64, 512)
 
 
-def test_measure_ms_drops_paths_behind_after_two_rounds_and_keeps_to_its_budget(
+def test_measure_ms_drops_paths_behind_after_round_2_and_keeps_to_its_budget(
         monkeypatch) -> None:
     """After round 2 a path over BEHIND x the fastest is not timed again; from round 3 on,
     no round starts once the measurement took budget_s (fake clock, as above)."""

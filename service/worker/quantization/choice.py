@@ -157,18 +157,18 @@ _clock = time.perf_counter
 
 
 FAR_BEHIND = 4.0
-"""``measure_ms``: after its first round, a path more than this factor slower than the
-fastest is not timed again; after round 0 (each path's first calls, warm-up included) one
-more than twice this factor (a dequantize-then-matmul path, 10-70x behind at the 8B shape:
+"""``measure_ms``: after round 1, a path more than this factor slower than the fastest is
+not timed again; after round 0 (each path's first calls, warm-up included) one more than
+twice this factor (a dequantize-then-matmul path, 10-70x behind at the 8B shape:
 its calls of 50-380 ms were a sixth of a first start's timing there)."""
 BEHIND = 1.5
-"""``measure_ms``: after its second round, a path more than this factor slower than the
-fastest is not timed again. A path that far behind on the best of several cold calls each,
+"""``measure_ms``: after round 2, a path more than this factor slower than the fastest is
+not timed again. A path that far behind on the best of several cold calls each,
 the paths taking turns, does not come first (nor within ``FUSION_SLACK``); at the 8B shape
 the AVX2 twins and the fp32-activation C++ paths of the 512-row bucket are 1.3-2.4x behind,
 and their later rounds were a third of a first start's timing (Zen 4, 2026-12-07)."""
 BUDGET_S = 0.25
-"""``measure_ms`` starts no round after the third once a measurement has taken this long
+"""``measure_ms`` starts no round after round 2 once a measurement has taken this long
 (seconds): a path whose call takes 30-90 ms (512 rows, or the LM head at 16) then has the
 best of about three calls, where six rounds cost 1.3-2.7 s a bucket at the 8B shape."""
 
@@ -182,8 +182,8 @@ def measure_ms(calls: Mapping[str, Sequence[Callable[[], object]]], *, rounds: i
     scheduler quantum (milliseconds) longer, which says nothing about the kernel; every
     copy is cold when its turn comes, so the minimum is not a cache hit. Paths over
     2 x FAR_BEHIND slower than the best stop being timed after round 0, over FAR_BEHIND x
-    after round 1, over BEHIND x after round 2; from the fourth round on, none starts once
-    the measurement has taken `budget_s` seconds. A path no longer timed keeps its best so
+    after round 1, over BEHIND x after round 2; from round 3 on, none starts once the
+    measurement has taken `budget_s` seconds. A path no longer timed keeps its best so
     far.
 
     calls: path name -> calls on distinct copies of the weight.
