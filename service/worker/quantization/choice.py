@@ -160,7 +160,7 @@ FAR_BEHIND = 4.0
 """``measure_ms``: after round 1, a path more than this factor slower than the fastest is
 not timed again; after round 0 (each path's first calls, warm-up included) one more than
 twice this factor (a dequantize-then-matmul path, 10-70x behind at the 8B shape:
-its calls of 50-380 ms were a sixth of a first start's timing there)."""
+its calls of 50-380 ms, two a bucket, were a fifth of a first start's timing there)."""
 BEHIND = 1.5
 """``measure_ms``: after round 2, a path more than this factor slower than the fastest is
 not timed again. A path that far behind on the best of several cold calls each,
