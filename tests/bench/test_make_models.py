@@ -162,6 +162,17 @@ def test_cli_lists_and_refuses_unknown(capsys):
         main(["--shape", "llama-9b", "--out", "/nonexistent"])
 
 
+def test_default_out_follows_the_cache_dir(monkeypatch, tmp_path):
+    """Without --out, files go to $CONVEYOR_CACHE_DIR/models, beside our other caches."""
+    from service.bench.make_models import default_out
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert default_out() == tmp_path / "cache" / "models"
+    monkeypatch.delenv("CONVEYOR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_out() == tmp_path / "xdg" / "conveyor" / "models"
+
+
 def test_estimated_bytes_is_the_data(tiny_q4_k_m, monkeypatch):
     from service.bench import make_models
 

@@ -16,11 +16,13 @@ def engine_config(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 256,
                   swap_space: float = 0.25, watermarks: tuple[float, float, float] = (0.7, 0.9, 0.95),
                   scheduling_policy: str = "fcfs", batching: str = "continuous",
                   quantization: str | None = "auto", kv_disk_path: str | None = None,
-                  kv_disk_size: int = 1 << 30, kv_cache_dtype: str = "auto") -> EngineConfig:
+                  kv_disk_size: int = 1 << 30, kv_cache_dtype: str = "auto",
+                  served_model_name: str | None = None) -> EngineConfig:
     from service.config import ModelConfig
 
     return EngineConfig(
-        model=ModelConfig(attention_backend=attention_backend, quantization=quantization),
+        model=ModelConfig(attention_backend=attention_backend, quantization=quantization,
+                          served_model_name=served_model_name),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                           enable_prefix_caching=enable_prefix_caching, swap_space=swap_space,
                           kv_watermark_low=watermarks[0], kv_watermark_high=watermarks[1],
