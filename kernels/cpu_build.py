@@ -28,8 +28,8 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import time
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
