@@ -290,9 +290,11 @@ def test_candidates_per_mode(monkeypatch) -> None:
         candidates("int3", False)
 
 
-def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monkeypatch) -> None:
-    """On a fake clock (each call advances it by its duration): no sleeping, so the order
-    and the figures do not depend on how busy the machine is."""
+@pytest.fixture
+def fake_calls(monkeypatch):
+    """(order, call) on a fake clock: call(name, seconds) is a path's call that appends
+    `name` to `order` and advances the clock by its duration. No sleeping, so the order and
+    the figures do not depend on how busy the machine is."""
     now = [0.0]
     monkeypatch.setattr(choice, "_clock", lambda: now[0])
     order: list[str] = []
@@ -303,6 +305,11 @@ def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monk
             now[0] += seconds
         return run
 
+    return order, call
+
+
+def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(fake_calls) -> None:
+    order, call = fake_calls
     calls = {"a": [call("a", 0.002), call("a", 0.0005)], "slow": [call("slow", 0.003)] * 2}
     ms = choice.measure_ms(calls, rounds=3)
     assert ms == {"a": pytest.approx(0.5), "slow": pytest.approx(3.0)}
@@ -320,19 +327,10 @@ def test_measure_ms_takes_turns_keeps_the_fastest_call_and_drops_far_losers(monk
 
 
 def test_measure_ms_drops_paths_behind_after_round_2_and_keeps_to_its_budget(
-        monkeypatch) -> None:
+        fake_calls) -> None:
     """After round 2 a path over BEHIND x the fastest is not timed again; from round 3 on,
-    no round starts once the measurement took budget_s (fake clock, as above)."""
-    now = [0.0]
-    monkeypatch.setattr(choice, "_clock", lambda: now[0])
-    order: list[str] = []
-
-    def call(name: str, seconds: float):
-        def run() -> None:
-            order.append(name)
-            now[0] += seconds
-        return run
-
+    no round starts once the measurement took budget_s."""
+    order, call = fake_calls
     # long calls (one a round each): "near" is 1.2x the fastest, "behind" 2x
     calls = {"fast": [call("fast", 0.030)], "near": [call("near", 0.036)],
              "behind": [call("behind", 0.060)]}
@@ -342,11 +340,14 @@ def test_measure_ms_drops_paths_behind_after_round_2_and_keeps_to_its_budget(
     assert order.count("behind") == 3  # rounds 0-2, then more than BEHIND x behind
     # rounds 0-2 took 0.378 s > budget_s: no fourth round
     assert order.count("fast") == 3 and order.count("near") == 3
-    # short calls: the budget is not reached and all six rounds run; 1.2x is kept
+    # short calls: the budget is not reached and all six rounds run; 1.2x is kept, 2x is
+    # dropped after round 2
     order.clear()
-    calls = {"fast": [call("fast", 0.001)], "near": [call("near", 0.0012)]}
+    calls = {"fast": [call("fast", 0.001)], "near": [call("near", 0.0012)],
+             "behind": [call("behind", 0.002)]}
     choice.measure_ms(calls, rounds=5, round_s=0.0005, budget_s=0.25)
     assert order.count("fast") == 6 and order.count("near") == 6
+    assert order.count("behind") == 3
     assert choice.BEHIND < choice.FAR_BEHIND and choice.BEHIND > choice.FUSION_SLACK
 
 
